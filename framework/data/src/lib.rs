@@ -1,0 +1,1 @@
+//! Samplers: the Sampler trait, synthetic and Criteo TSV data sources.

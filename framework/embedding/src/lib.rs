@@ -1,0 +1,1 @@
+//! Table-batched embedding storage, pooled lookups and fused sparse optimizers.

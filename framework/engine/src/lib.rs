@@ -1,0 +1,1 @@
+//! Builds a training job from a recipe and runs it.

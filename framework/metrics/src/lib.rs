@@ -1,0 +1,1 @@
+//! Recommendation metrics with TorchRec's definitions (NE, log loss, AUC).

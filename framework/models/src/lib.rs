@@ -1,0 +1,1 @@
+//! Dense model parts (DLRM) built with tch.

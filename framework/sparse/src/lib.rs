@@ -1,0 +1,1 @@
+//! Jagged and keyed sparse containers (JaggedTensor, KeyedJaggedTensor, KeyedTensor).

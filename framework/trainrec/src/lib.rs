@@ -1,0 +1,1 @@
+//! trainrec: train large recommendation models from a TOML recipe.
