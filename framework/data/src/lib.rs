@@ -1,1 +1,132 @@
-//! Samplers: the Sampler trait, synthetic and Criteo TSV data sources.
+//! Samplers: the [`Sampler`] trait and the built-in data sources, [`SyntheticSampler`]
+//! (Criteo-like data with a planted signal, generated on the fly) and [`CriteoTsvSampler`]
+//! (the raw Criteo Kaggle / 1TB layout).
+
+pub mod criteo;
+pub mod synthetic;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+pub use criteo::{BadRowPolicy, CriteoTsvConfig, CriteoTsvSampler};
+pub use synthetic::{IdDistribution, SyntheticConfig, SyntheticSampler};
+use trainrec_sparse::KeyedJaggedTensor;
+
+/// One batch of examples.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Dense features, `[batch_size, num_dense]` row-major.
+    pub dense: Vec<f32>,
+    /// Dense features per example.
+    pub num_dense: usize,
+    /// Sparse features, keys in the sampler's [`FeatureSchema::sparse`] order.
+    pub sparse: KeyedJaggedTensor,
+    /// One label (0 or 1) per example.
+    pub labels: Vec<f32>,
+    /// Examples in this batch (the last batch of a split may be smaller).
+    pub batch_size: usize,
+}
+
+/// Which part of the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Split {
+    /// Training examples.
+    Train,
+    /// Held-out evaluation examples.
+    Eval,
+}
+
+/// The features a sampler produces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FeatureSchema {
+    /// Dense features per example.
+    pub num_dense: usize,
+    /// Sparse feature names, in KJT key order.
+    pub sparse: Vec<String>,
+}
+
+/// What the engine gives a sampler when it builds one.
+#[derive(Clone, Debug, Default)]
+pub struct SamplerContext {
+    /// Rows of the table each sparse feature is looked up in: ids must be `< rows`.
+    pub feature_rows: BTreeMap<String, u64>,
+    /// Directory relative paths in the config resolve against (the recipe file's directory).
+    pub base_dir: PathBuf,
+    /// The run's seed.
+    pub seed: u64,
+}
+
+impl SamplerContext {
+    /// Rows for `feature`, or a config error naming it.
+    pub fn rows(&self, feature: &str) -> Result<u64, DataError> {
+        match self.feature_rows.get(feature) {
+            Some(&r) if r > 0 => Ok(r),
+            _ => Err(DataError::Config {
+                key: "".into(),
+                message: format!(
+                    "sparse feature \"{feature}\" is not looked up in any table (no row count to hash its ids into)"
+                ),
+            }),
+        }
+    }
+}
+
+/// A stream of batches.
+pub type BatchStream = Box<dyn Iterator<Item = Result<Batch, DataError>> + Send>;
+
+/// A data source.
+pub trait Sampler: Send + Sync {
+    /// The features this sampler produces.
+    fn schema(&self) -> &FeatureSchema;
+    /// The batches of one pass over `split`. `epoch` changes the order or content of
+    /// training data; the eval split is the same on every call.
+    fn batches(&self, split: Split, epoch: u64, batch_size: usize) -> Result<BatchStream, DataError>;
+}
+
+/// Why data could not be produced.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A sampler config value is invalid; `key` is the path inside the sampler section.
+    #[error("{message}")]
+    Config {
+        /// Dotted key inside the sampler's section (empty for the section itself).
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A malformed input row.
+    #[error("{file}:{line}: {message}")]
+    BadRow {
+        /// The file.
+        file: PathBuf,
+        /// 1-based line number.
+        line: u64,
+        /// What is wrong with the row.
+        message: String,
+    },
+    /// A batch could not be assembled.
+    #[error("{0}")]
+    Sparse(#[from] trainrec_sparse::SparseError),
+}
+
+/// SplitMix64: a fast, well-mixed 64-bit hash used for deterministic per-batch seeds and
+/// hash-based splits.
+pub fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A hash of several words.
+pub fn hash_words(words: &[u64]) -> u64 {
+    words.iter().fold(0x1234_5678_9ABC_DEF0, |h, &w| splitmix64(h ^ splitmix64(w)))
+}

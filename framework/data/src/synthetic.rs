@@ -1,0 +1,360 @@
+//! `kind = "synthetic"`: Criteo-like batches generated on the fly with a planted signal, so a
+//! model has something real to learn and a test knows the best achievable AUC.
+//!
+//! The truth (dense weights, per-id latent values) is fixed by the run seed; every batch is
+//! generated from its own RNG seeded by (seed, split, epoch, batch index), so batches are
+//! reproducible and independent of how many were generated before.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Exp, StandardNormal, Zipf};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use trainrec_sparse::KeyedJaggedTensor;
+
+use crate::{Batch, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split, hash_words};
+
+/// How synthetic ids are drawn from a table's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum IdDistribution {
+    /// Every row equally likely.
+    Uniform,
+    /// Zipf over rows (row 0 most frequent), exponent `zipf_alpha`.
+    Zipf,
+}
+
+/// `[data.sampler]` with `kind = "synthetic"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyntheticConfig {
+    /// Number of dense features (named I1, I2, ...).
+    #[serde(default = "defaults::dense_features")]
+    pub dense_features: usize,
+    /// Names of the sparse features; each must be looked up in a table, whose `rows` bound its ids.
+    #[serde(default = "defaults::sparse_features")]
+    pub sparse_features: Vec<String>,
+    /// Mean number of ids per bag. 1 gives one id per bag; above 1, bag lengths are uniform in
+    /// `1..=2*pooling_factor-1`.
+    #[serde(default = "defaults::pooling_factor")]
+    pub pooling_factor: u32,
+    /// How ids are drawn.
+    #[serde(default = "defaults::ids")]
+    pub ids: IdDistribution,
+    /// Zipf exponent when `ids = "zipf"`.
+    #[serde(default = "defaults::zipf_alpha")]
+    pub zipf_alpha: f64,
+    /// Training examples per epoch.
+    #[serde(default = "defaults::train_samples")]
+    pub train_samples: u64,
+    /// Examples in the eval split (the same examples at every evaluation).
+    #[serde(default = "defaults::eval_samples")]
+    pub eval_samples: u64,
+    /// Scale of the planted logit: 0 makes labels pure noise, larger values make them easier
+    /// to predict.
+    #[serde(default = "defaults::signal")]
+    pub signal: f64,
+}
+
+mod defaults {
+    pub fn dense_features() -> usize {
+        13
+    }
+    pub fn sparse_features() -> Vec<String> {
+        (1..=8).map(|i| format!("C{i}")).collect()
+    }
+    pub fn pooling_factor() -> u32 {
+        1
+    }
+    pub fn ids() -> super::IdDistribution {
+        super::IdDistribution::Uniform
+    }
+    pub fn zipf_alpha() -> f64 {
+        1.05
+    }
+    pub fn train_samples() -> u64 {
+        1_000_000
+    }
+    pub fn eval_samples() -> u64 {
+        50_000
+    }
+    pub fn signal() -> f64 {
+        1.0
+    }
+}
+
+/// Bias of the planted logit: a base CTR of about 25%.
+const BIAS: f64 = -1.4;
+/// Standard deviation of each sparse feature's per-id latent value.
+const LATENT_STD: f64 = 0.6;
+
+/// The synthetic sampler.
+#[derive(Clone)]
+pub struct SyntheticSampler {
+    config: SyntheticConfig,
+    schema: FeatureSchema,
+    rows: Vec<u64>,
+    dense_weights: Vec<f64>,
+    dense_means: Vec<f64>,
+    seed: u64,
+    zipf: Vec<Option<Zipf<f64>>>,
+}
+
+impl SyntheticSampler {
+    /// The features a config produces.
+    pub fn feature_schema(config: &SyntheticConfig) -> FeatureSchema {
+        FeatureSchema { num_dense: config.dense_features, sparse: config.sparse_features.clone() }
+    }
+
+    /// Builds the sampler; every sparse feature needs a row count in `ctx`.
+    pub fn build(config: SyntheticConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        let bad = |key: &str, message: String| DataError::Config { key: key.into(), message };
+        if config.pooling_factor == 0 {
+            return Err(bad("pooling_factor", "pooling_factor must be at least 1".into()));
+        }
+        if config.ids == IdDistribution::Zipf && !(config.zipf_alpha.is_finite() && config.zipf_alpha > 0.0) {
+            return Err(bad("zipf_alpha", format!("zipf_alpha must be positive, found {}", config.zipf_alpha)));
+        }
+        if !config.signal.is_finite() || config.signal < 0.0 {
+            return Err(bad("signal", format!("signal must be >= 0, found {}", config.signal)));
+        }
+        if config.train_samples == 0 || config.eval_samples == 0 {
+            return Err(bad("train_samples", "train_samples and eval_samples must be positive".into()));
+        }
+        let rows = config.sparse_features.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
+        let mut world = StdRng::seed_from_u64(hash_words(&[ctx.seed, 0x5EED]));
+        let nd = config.dense_features.max(1) as f64;
+        let dense_weights =
+            (0..config.dense_features).map(|_| world.sample::<f64, _>(StandardNormal) / nd.sqrt()).collect();
+        let dense_means = (0..config.dense_features).map(|_| world.random_range(1.0..60.0)).collect();
+        let zipf = rows
+            .iter()
+            .map(|&r| match config.ids {
+                IdDistribution::Zipf => Zipf::new(r as f64, config.zipf_alpha).ok(),
+                IdDistribution::Uniform => None,
+            })
+            .collect();
+        Ok(Self {
+            schema: Self::feature_schema(&config),
+            config,
+            rows,
+            dense_weights,
+            dense_means,
+            seed: ctx.seed,
+            zipf,
+        })
+    }
+
+    /// The planted per-id latent value of feature `f` (index) and id.
+    fn latent(&self, f: usize, id: i64) -> f64 {
+        let h = hash_words(&[self.seed, f as u64, id as u64]);
+        // Box-Muller from two hash-derived uniforms.
+        let u1 = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u2 = ((hash_words(&[h]) >> 11) as f64) / (1u64 << 53) as f64;
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * LATENT_STD
+    }
+
+    /// The planted logit of one example (dense features after the log transform, one bag of
+    /// ids per sparse feature). Its sigmoid is the true click probability.
+    pub fn true_logit(&self, dense: &[f32], bags: &[&[i64]]) -> f64 {
+        let c = |j: usize| (1.0 + self.dense_means[j]).ln();
+        let mut z: f64 = dense.iter().enumerate().map(|(j, &x)| self.dense_weights[j] * (x as f64 - c(j))).sum();
+        if dense.len() >= 2 {
+            z += 0.5 * (dense[0] as f64 - c(0)).tanh() * (dense[1] as f64 - c(1));
+        }
+        for (f, bag) in bags.iter().enumerate() {
+            if !bag.is_empty() {
+                z += bag.iter().map(|&id| self.latent(f, id)).sum::<f64>() / bag.len() as f64;
+            }
+        }
+        BIAS + self.config.signal * z
+    }
+
+    fn samples(&self, split: Split) -> u64 {
+        match split {
+            Split::Train => self.config.train_samples,
+            Split::Eval => self.config.eval_samples,
+        }
+    }
+
+    /// Batch `index` of `split` / `epoch` (the last may be partial); `None` past the end.
+    pub fn batch(&self, split: Split, epoch: u64, index: u64, batch_size: usize) -> Option<Result<Batch, DataError>> {
+        let total = self.samples(split);
+        let start = index.checked_mul(batch_size as u64)?;
+        if start >= total || batch_size == 0 {
+            return None;
+        }
+        let n = (total - start).min(batch_size as u64) as usize;
+        let split_word = match split {
+            Split::Train => 1,
+            Split::Eval => 2,
+        };
+        let epoch = if split == Split::Eval { 0 } else { epoch };
+        let mut rng = StdRng::seed_from_u64(hash_words(&[self.seed, split_word, epoch, index]));
+        let nd = self.config.dense_features;
+        let nf = self.config.sparse_features.len();
+        let mut dense = Vec::with_capacity(n * nd);
+        for _ in 0..n {
+            for j in 0..nd {
+                let e = Exp::new(1.0 / self.dense_means[j]).expect("positive rate").sample(&mut rng);
+                dense.push((1.0 + e.floor()).ln() as f32);
+            }
+        }
+        // Key-major bags: draw per feature, then per example.
+        let p = self.config.pooling_factor;
+        let mut lengths = Vec::with_capacity(n * nf);
+        let mut values = Vec::with_capacity(n * nf * p as usize);
+        for f in 0..nf {
+            for _ in 0..n {
+                let len = if p == 1 { 1 } else { rng.random_range(1..=2 * p - 1) };
+                lengths.push(len);
+                for _ in 0..len {
+                    let id = match &self.zipf[f] {
+                        Some(z) => (z.sample(&mut rng) as u64).saturating_sub(1).min(self.rows[f] - 1),
+                        None => rng.random_range(0..self.rows[f]),
+                    };
+                    values.push(id as i64);
+                }
+            }
+        }
+        let sparse = match KeyedJaggedTensor::new(self.config.sparse_features.clone(), values, None, lengths, n) {
+            Ok(k) => k,
+            Err(e) => return Some(Err(e.into())),
+        };
+        let mut labels = Vec::with_capacity(n);
+        let mut bags: Vec<&[i64]> = Vec::with_capacity(nf);
+        for i in 0..n {
+            bags.clear();
+            bags.extend((0..nf).map(|f| sparse.feature(f).bag(i)));
+            let logit = self.true_logit(&dense[i * nd..(i + 1) * nd], &bags);
+            let prob = 1.0 / (1.0 + (-logit).exp());
+            labels.push(if rng.random::<f64>() < prob { 1.0 } else { 0.0 });
+        }
+        Some(Ok(Batch { dense, num_dense: nd, sparse, labels, batch_size: n }))
+    }
+}
+
+impl Sampler for SyntheticSampler {
+    fn schema(&self) -> &FeatureSchema {
+        &self.schema
+    }
+
+    fn batches(&self, split: Split, epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
+        if batch_size == 0 {
+            return Err(DataError::Config { key: "".into(), message: "batch size must be positive".into() });
+        }
+        let me = self.clone();
+        let mut index = 0;
+        Ok(Box::new(std::iter::from_fn(move || {
+            let b = me.batch(split, epoch, index, batch_size);
+            index += 1;
+            b
+        })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(ids: IdDistribution, rows: u64, pooling: u32) -> SyntheticSampler {
+        let config = SyntheticConfig {
+            ids,
+            pooling_factor: pooling,
+            train_samples: 3000,
+            eval_samples: 20_000,
+            ..serde_json_default()
+        };
+        let feature_rows = config.sparse_features.iter().map(|f| (f.clone(), rows)).collect();
+        SyntheticSampler::build(config, &SamplerContext { feature_rows, seed: 7, ..Default::default() }).unwrap()
+    }
+
+    fn serde_json_default() -> SyntheticConfig {
+        // All defaults, as an empty recipe section would give.
+        serde_json::from_value(serde_json::json!({})).unwrap()
+    }
+
+    /// Exact AUC by pairwise counting (ties count one half).
+    fn pairwise_auc(scores: &[f64], labels: &[f32]) -> f64 {
+        let pos: Vec<f64> = scores.iter().zip(labels).filter(|&(_, &l)| l > 0.5).map(|(s, _)| *s).collect();
+        let mut neg: Vec<f64> = scores.iter().zip(labels).filter(|&(_, &l)| l < 0.5).map(|(s, _)| *s).collect();
+        neg.sort_by(f64::total_cmp);
+        let mut wins = 0.0;
+        for p in &pos {
+            let below = neg.partition_point(|n| n < p);
+            let ties = neg[below..].partition_point(|n| n <= p);
+            wins += below as f64 + 0.5 * ties as f64;
+        }
+        wins / (pos.len() as f64 * neg.len() as f64)
+    }
+
+    #[test]
+    fn planted_signal_is_learnable_and_ctr_is_realistic() {
+        let s = sampler(IdDistribution::Uniform, 1000, 1);
+        let mut scores = Vec::new();
+        let mut labels = Vec::new();
+        for b in s.batches(Split::Eval, 0, 1000).unwrap() {
+            let b = b.unwrap();
+            for i in 0..b.batch_size {
+                let bags: Vec<&[i64]> = (0..b.sparse.keys().len()).map(|f| b.sparse.feature(f).bag(i)).collect();
+                scores.push(s.true_logit(&b.dense[i * b.num_dense..(i + 1) * b.num_dense], &bags));
+                labels.push(b.labels[i]);
+            }
+        }
+        assert_eq!(labels.len(), 20_000);
+        let ctr = labels.iter().sum::<f32>() / labels.len() as f32;
+        assert!((0.15..0.35).contains(&ctr), "ctr {ctr}");
+        let auc = pairwise_auc(&scores, &labels);
+        assert!(auc > 0.8, "Bayes-optimal AUC {auc}");
+        // A signal of 0 leaves nothing to learn.
+        let mut noise = sampler(IdDistribution::Uniform, 1000, 1);
+        noise.config.signal = 0.0;
+        let b = noise.batch(Split::Eval, 0, 0, 5000).unwrap().unwrap();
+        let bags = |i: usize| (0..8).map(|f| b.sparse.feature(f).bag(i)).collect::<Vec<_>>();
+        let flat: Vec<f64> = (0..5000).map(|i| noise.true_logit(&b.dense[i * 13..(i + 1) * 13], &bags(i))).collect();
+        assert!(flat.iter().all(|&z| (z - BIAS).abs() < 1e-12));
+    }
+
+    #[test]
+    fn ids_in_range_lengths_and_partial_last_batch() {
+        let s = sampler(IdDistribution::Uniform, 50, 3);
+        let batches: Vec<Batch> = s.batches(Split::Train, 0, 1024).unwrap().map(Result::unwrap).collect();
+        assert_eq!(batches.iter().map(|b| b.batch_size).collect::<Vec<_>>(), vec![1024, 1024, 952]);
+        for b in &batches {
+            assert!(b.sparse.values().iter().all(|&id| (0..50).contains(&id)));
+            assert!(b.sparse.lengths().iter().all(|&l| (1..=5).contains(&l)));
+            assert_eq!(b.dense.len(), b.batch_size * 13);
+            assert!(b.dense.iter().all(|x| (0.0..12.0).contains(x)));
+        }
+        let mean_len =
+            batches[0].sparse.lengths().iter().sum::<u32>() as f64 / batches[0].sparse.lengths().len() as f64;
+        assert!((mean_len - 3.0).abs() < 0.1, "{mean_len}");
+    }
+
+    #[test]
+    fn zipf_is_skewed() {
+        let s = sampler(IdDistribution::Zipf, 10_000, 1);
+        let b = s.batch(Split::Train, 0, 0, 20_000).unwrap().unwrap();
+        let ids = b.sparse.feature(0).values;
+        let zeros = ids.iter().filter(|&&i| i == 0).count() as f64 / ids.len() as f64;
+        assert!(zeros > 100.0 / 10_000.0, "row 0 share {zeros}");
+        assert!(ids.iter().all(|&i| (0..10_000).contains(&i)));
+    }
+
+    #[test]
+    fn deterministic_per_seed_split_and_epoch() {
+        let a = sampler(IdDistribution::Zipf, 100, 2);
+        let b = sampler(IdDistribution::Zipf, 100, 2);
+        let first = |s: &SyntheticSampler, split, epoch| s.batches(split, epoch, 64).unwrap().next().unwrap().unwrap();
+        assert_eq!(first(&a, Split::Train, 0), first(&b, Split::Train, 0));
+        assert_ne!(first(&a, Split::Train, 0), first(&a, Split::Train, 1));
+        assert_eq!(first(&a, Split::Eval, 0), first(&a, Split::Eval, 5));
+        assert_ne!(first(&a, Split::Eval, 0), first(&a, Split::Train, 0));
+    }
+
+    #[test]
+    fn a_feature_without_a_table_is_a_config_error() {
+        let err = SyntheticSampler::build(serde_json_default(), &SamplerContext::default()).err().unwrap();
+        assert!(err.to_string().contains("\"C1\" is not looked up in any table"), "{err}");
+    }
+}
