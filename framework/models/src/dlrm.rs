@@ -1,0 +1,189 @@
+//! DLRM (Naumov et al. 2019) as TorchRec builds it: a dense-arch MLP, pairwise dot
+//! interaction of the dense output with every pooled embedding, and an over-arch MLP.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use tch::{Tensor, nn, nn::Module};
+use trainrec_recipe::{Diagnostic, KeyPath};
+
+use crate::{DenseModel, ModelError, ModelFactory, ModelInputs};
+
+/// `[model]` with `kind = "dlrm"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DlrmConfig {
+    /// Layer sizes of the dense-arch MLP over the dense features (ReLU after each). The last
+    /// size must equal the embedding dim of every table.
+    pub dense_arch: Vec<usize>,
+    /// Layer sizes of the over-arch MLP (ReLU after each but the last). The last size must be 1.
+    pub over_arch: Vec<usize>,
+}
+
+/// The DLRM dense part.
+pub struct Dlrm {
+    dense: nn::Sequential,
+    over: nn::Sequential,
+    num_sparse: i64,
+    dim: i64,
+    triu: (Tensor, Tensor),
+}
+
+fn mlp(vs: &nn::Path, input: usize, sizes: &[usize], relu_last: bool) -> nn::Sequential {
+    let mut seq = nn::seq();
+    let mut prev = input as i64;
+    for (i, &size) in sizes.iter().enumerate() {
+        seq = seq.add(nn::linear(vs / format!("layer{i}"), prev, size as i64, Default::default()));
+        if relu_last || i + 1 < sizes.len() {
+            seq = seq.add_fn(|x| x.relu());
+        }
+        prev = size as i64;
+    }
+    seq
+}
+
+impl Dlrm {
+    /// Builds the parameters under `vs`; `config` must have passed [`DlrmFactory::check`].
+    pub fn new(vs: &nn::Path, config: &DlrmConfig, num_dense: usize, num_sparse: usize) -> Self {
+        let dim = *config.dense_arch.last().unwrap_or(&0) as i64;
+        let n = num_sparse as i64 + 1;
+        let interactions = (n * (n - 1) / 2) as usize;
+        let triu = Tensor::triu_indices(n, n, 1, (tch::Kind::Int64, vs.device()));
+        Self {
+            dense: mlp(&(vs / "dense_arch"), num_dense, &config.dense_arch, true),
+            over: mlp(&(vs / "over_arch"), dim as usize + interactions, &config.over_arch, false),
+            num_sparse: num_sparse as i64,
+            dim,
+            triu: (triu.get(0), triu.get(1)),
+        }
+    }
+}
+
+impl DenseModel for Dlrm {
+    fn forward(&self, dense: &Tensor, sparse: &Tensor, _train: bool) -> Tensor {
+        let batch = dense.size()[0];
+        let d = self.dense.forward(dense);
+        let emb = sparse.view([batch, self.num_sparse, self.dim]);
+        let all = Tensor::cat(&[d.unsqueeze(1), emb], 1);
+        let dots = all.bmm(&all.transpose(1, 2));
+        let pairs = dots.index(&[None, Some(&self.triu.0), Some(&self.triu.1)]);
+        let x = Tensor::cat(&[d, pairs], 1);
+        self.over.forward(&x).squeeze_dim(1)
+    }
+}
+
+/// Registers DLRM as `kind = "dlrm"`.
+pub struct DlrmFactory;
+
+impl ModelFactory for DlrmFactory {
+    fn kind(&self) -> &'static str {
+        "dlrm"
+    }
+
+    fn config_schema(&self) -> serde_json::Value {
+        serde_json::to_value(schemars::schema_for!(DlrmConfig)).expect("schema serializes")
+    }
+
+    fn check(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
+        let model = KeyPath::root().key("model");
+        let Ok(cfg) = serde_json::from_value::<DlrmConfig>(config.clone()) else {
+            return Vec::new(); // structural problems are reported by the schema check
+        };
+        let mut out = Vec::new();
+        for (key, sizes) in [("dense_arch", &cfg.dense_arch), ("over_arch", &cfg.over_arch)] {
+            if sizes.is_empty() {
+                out.push(Diagnostic::new(model.key(key), format!("{key} needs at least one layer")));
+            }
+            for (i, &s) in sizes.iter().enumerate() {
+                if s == 0 {
+                    out.push(Diagnostic::new(model.key(key).index(i), "layer sizes must be positive"));
+                }
+            }
+        }
+        if cfg.over_arch.last().is_some_and(|&s| s != 1) {
+            let i = cfg.over_arch.len() - 1;
+            out.push(
+                Diagnostic::new(
+                    model.key("over_arch").index(i),
+                    format!("the last over_arch layer must have size 1 (one logit), found {}", cfg.over_arch[i]),
+                )
+                .with_help("end over_arch with 1"),
+            );
+        }
+        if let Some(&dim) = cfg.dense_arch.last() {
+            for ((name, d), key) in inputs.sparse.iter().zip(&inputs.sparse_dim_keys) {
+                if *d != dim {
+                    out.push(
+                        Diagnostic::new(key.clone(), format!("DLRM needs every embedding dim to equal the last dense_arch size ({dim}); feature \"{name}\" has dim {d}"))
+                            .with_help(format!("set this table's dim to {dim}, or end model.dense_arch with {d}")),
+                    );
+                }
+            }
+        }
+        if inputs.num_dense == 0 {
+            out.push(Diagnostic::new(
+                model.clone(),
+                "DLRM needs at least one dense feature; the sampler produces none",
+            ));
+        }
+        out
+    }
+
+    fn build(
+        &self,
+        vs: &nn::Path,
+        config: &serde_json::Value,
+        inputs: &ModelInputs,
+    ) -> Result<Box<dyn DenseModel>, ModelError> {
+        let problems = self.check(config, inputs);
+        if !problems.is_empty() {
+            return Err(ModelError::Config(problems));
+        }
+        let cfg: DlrmConfig = serde_json::from_value(config.clone())
+            .map_err(|e| ModelError::Config(vec![Diagnostic::new(KeyPath::root().key("model"), e.to_string())]))?;
+        Ok(Box::new(Dlrm::new(vs, &cfg, inputs.num_dense, inputs.sparse.len())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs(dims: &[usize]) -> ModelInputs {
+        ModelInputs {
+            num_dense: 3,
+            sparse: dims.iter().enumerate().map(|(i, &d)| (format!("f{i}"), d)).collect(),
+            sparse_dim_keys: (0..dims.len()).map(|i| KeyPath::root().key("tables").index(i).key("dim")).collect(),
+        }
+    }
+
+    #[test]
+    fn interaction_matches_a_hand_computation() {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = DlrmConfig { dense_arch: vec![2], over_arch: vec![1] };
+        let m = Dlrm::new(&vs.root(), &cfg, 3, 2);
+        let dense = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).view([1, 3]);
+        let sparse = Tensor::from_slice(&[1.0f32, 0.0, 0.5, 2.0]).view([1, 4]);
+        // Recompute by hand: d = relu(W x + b); features [d, e0, e1]; dots (d.e0, d.e1, e0.e1).
+        let d = m.dense.forward(&dense);
+        let dv: Vec<f32> = Vec::try_from(d.view([-1])).unwrap();
+        let e0 = [1.0f32, 0.0];
+        let e1 = [0.5f32, 2.0];
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+        let x = Tensor::from_slice(&[dv[0], dv[1], dot(&dv, &e0), dot(&dv, &e1), dot(&e0, &e1)]).view([1, 5]);
+        let want = m.over.forward(&x).double_value(&[0, 0]);
+        let got = m.forward(&dense, &sparse, false).double_value(&[0]);
+        assert!((want - got).abs() < 1e-6, "{want} vs {got}");
+    }
+
+    #[test]
+    fn check_names_the_mismatched_dim_and_bad_over_arch() {
+        let cfg = serde_json::json!({"dense_arch": [8, 4], "over_arch": [8, 2]});
+        let problems = DlrmFactory.check(&cfg, &inputs(&[4, 5]));
+        let keys: Vec<String> = problems.iter().map(|d| d.key.to_string()).collect();
+        assert_eq!(keys, vec!["model.over_arch[1]", "tables[1].dim"]);
+        assert!(
+            DlrmFactory.check(&serde_json::json!({"dense_arch": [4], "over_arch": [1]}), &inputs(&[4, 4])).is_empty()
+        );
+    }
+}

@@ -1,0 +1,246 @@
+//! The recipe schema: every key a user can write, with its documentation and default.
+//!
+//! The doc comments here are the user's reference: `trainrec-recipe` renders them into the
+//! book's recipe reference page, and a test fails when that page is stale.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use trainrec_embedding::{PoolingMode, SparseOptimizerConfig};
+
+/// A whole training job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// Run identity, seed and output directory.
+    pub run: RunSection,
+    /// Where batches come from.
+    pub data: DataSection,
+    /// Embedding tables (`[[tables]]`, one entry per table).
+    pub tables: Vec<TableSection>,
+    /// The dense model; `kind` picks a registered model, the other keys are its own.
+    pub model: PluginSection,
+    /// Sparse (fused, per table) and dense optimizers.
+    pub optimizer: OptimizerSection,
+    /// Length of training and evaluation cadence.
+    pub train: TrainSection,
+    /// Metrics computed on the eval split (`[[metrics]]`).
+    #[serde(default = "defaults::metrics")]
+    pub metrics: Vec<MetricSection>,
+}
+
+/// `[run]`: identity of the run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// Name of the run; the default output directory is `runs/<name>`.
+    pub name: String,
+    /// Seed for weight initialisation, synthetic data and shuffling. Two runs with the same
+    /// seed and recipe write identical metrics.
+    #[serde(default)]
+    pub seed: u64,
+    /// Directory for `resolved.toml` and `metrics.jsonl`, relative to the working directory.
+    /// Default: `runs/<name>`.
+    #[serde(default)]
+    pub output_dir: Option<String>,
+    /// Threads for dense compute (libtorch) and embedding kernels. Default: all cores.
+    #[serde(default)]
+    pub threads: Option<usize>,
+}
+
+/// `[data]`: batching and the sampler that produces examples.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Training examples per batch.
+    pub batch_size: usize,
+    /// Examples per eval batch. Default: `batch_size`.
+    #[serde(default)]
+    pub eval_batch_size: Option<usize>,
+    /// The data source: `kind` names a registered sampler (`synthetic`, `criteo_tsv`, or a
+    /// plugin's); the other keys are that sampler's own (see the sampler reference).
+    pub sampler: PluginSection,
+}
+
+/// A section owned by a plugin: `kind` picks the implementation, the remaining keys are
+/// checked against that implementation's own schema.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(transparent)]
+pub struct PluginSection(pub serde_json::Map<String, serde_json::Value>);
+
+impl PluginSection {
+    /// The `kind` key, when it is a string.
+    pub fn kind(&self) -> Option<&str> {
+        self.0.get("kind").and_then(|v| v.as_str())
+    }
+
+    /// The section without its `kind` key: the plugin's own config.
+    pub fn config(&self) -> serde_json::Value {
+        let mut map = self.0.clone();
+        map.remove("kind");
+        serde_json::Value::Object(map)
+    }
+}
+
+/// `[[tables]]`: one embedding table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TableSection {
+    /// Unique table name.
+    pub name: String,
+    /// Sparse features looked up in this table. A feature used by two tables must be written
+    /// `feature@table` in each, so every pooled output has its own name.
+    pub features: Vec<String>,
+    /// Number of rows (hash size); feature ids must lie in `0..rows`.
+    pub rows: u64,
+    /// Embedding dimension.
+    pub dim: usize,
+    /// How the ids of one bag are combined.
+    #[serde(default = "defaults::pooling")]
+    pub pooling: PoolingMode,
+}
+
+/// `[optimizer]`: the two optimizers of a job. Neither has a silent default.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSection {
+    /// Optimizer fused into the embedding backward (applied once per unique row per step).
+    pub sparse: SparseOptimizerConfig,
+    /// Optimizer of the dense model's parameters.
+    pub dense: DenseOptimizerConfig,
+}
+
+/// The dense model's optimizer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DenseOptimizerConfig {
+    /// Stochastic gradient descent.
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum factor.
+        #[serde(default)]
+        momentum: f64,
+        /// L2 penalty added to the gradient.
+        #[serde(default)]
+        weight_decay: f64,
+    },
+    /// Adagrad.
+    Adagrad {
+        /// Learning rate.
+        lr: f64,
+        /// L2 penalty added to the gradient.
+        #[serde(default)]
+        weight_decay: f64,
+    },
+    /// Adam.
+    Adam {
+        /// Learning rate.
+        lr: f64,
+        /// Decay of the first-moment estimate.
+        #[serde(default = "defaults::beta1")]
+        beta1: f64,
+        /// Decay of the second-moment estimate.
+        #[serde(default = "defaults::beta2")]
+        beta2: f64,
+        /// L2 penalty added to the gradient.
+        #[serde(default)]
+        weight_decay: f64,
+    },
+}
+
+impl DenseOptimizerConfig {
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            Self::Sgd { lr, .. } | Self::Adagrad { lr, .. } | Self::Adam { lr, .. } => *lr,
+        }
+    }
+}
+
+/// `[train]`: how long to train and how often to evaluate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// Number of training steps (batches). Set exactly one of `steps` and `epochs`.
+    #[serde(default)]
+    pub steps: Option<u64>,
+    /// Number of passes over the sampler's train split. Set exactly one of `steps` and `epochs`.
+    #[serde(default)]
+    pub epochs: Option<u64>,
+    /// Evaluate every this many steps (and always once at the end). Default: only at the end.
+    #[serde(default)]
+    pub eval_every: Option<u64>,
+    /// Evaluate on at most this many eval batches. Default: the whole eval split.
+    #[serde(default)]
+    pub eval_batches: Option<u64>,
+    /// Log the running train loss every this many steps.
+    #[serde(default = "defaults::log_every")]
+    pub log_every: u64,
+    /// Show a progress bar (on a terminal only).
+    #[serde(default = "defaults::progress")]
+    pub progress: bool,
+}
+
+/// `[[metrics]]`: one metric on the eval split.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum MetricSection {
+    /// Normalized entropy: cross entropy (base 2) over the entropy of the base rate, as
+    /// TorchRec defines it. Lower is better; 1.0 is no better than predicting the CTR.
+    Ne {
+        /// Also report log loss (TorchRec's definition: mean base-2 cross entropy).
+        #[serde(default = "defaults::include_logloss")]
+        include_logloss: bool,
+    },
+    /// Area under the ROC curve, as TorchRec computes it.
+    Auc {},
+}
+
+/// Defaults, declared once.
+pub mod defaults {
+    use super::*;
+
+    /// Default `[[metrics]]`: NE (with log loss) and AUC.
+    pub fn metrics() -> Vec<MetricSection> {
+        vec![MetricSection::Ne { include_logloss: true }, MetricSection::Auc {}]
+    }
+    /// Default `tables[].pooling`.
+    pub fn pooling() -> PoolingMode {
+        PoolingMode::Sum
+    }
+    /// Default Adam beta1.
+    pub fn beta1() -> f64 {
+        0.9
+    }
+    /// Default Adam beta2.
+    pub fn beta2() -> f64 {
+        0.999
+    }
+    /// Default `train.log_every`.
+    pub fn log_every() -> u64 {
+        100
+    }
+    /// Default `train.progress`.
+    pub fn progress() -> bool {
+        true
+    }
+    /// Default `include_logloss`.
+    pub fn include_logloss() -> bool {
+        true
+    }
+}
+
+impl Recipe {
+    /// The JSON schema of the whole recipe (drives validation and the reference page).
+    pub fn json_schema() -> serde_json::Value {
+        serde_json::to_value(schemars::schema_for!(Recipe)).expect("schema serializes")
+    }
+
+    /// The output directory: `run.output_dir` or `runs/<name>`.
+    pub fn output_dir(&self) -> std::path::PathBuf {
+        match &self.run.output_dir {
+            Some(dir) => dir.into(),
+            None => std::path::Path::new("runs").join(&self.run.name),
+        }
+    }
+}

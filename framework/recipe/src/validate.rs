@@ -1,0 +1,218 @@
+//! Semantic checks across sections, run after the recipe is structurally sound.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use crate::diagnostic::{Diagnostic, KeyPath, suggest};
+use crate::schema::{PluginSection, Recipe};
+use crate::walk;
+
+/// A sparse feature name as written in a table: `C1`, or `C1@t_big` when the feature feeds
+/// several tables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FeatureRef<'a> {
+    /// The input feature (the sampler's key).
+    pub input: &'a str,
+    /// The table named after `@`, if any.
+    pub table: Option<&'a str>,
+}
+
+impl<'a> FeatureRef<'a> {
+    /// Splits `feature@table`.
+    pub fn parse(text: &'a str) -> Self {
+        match text.split_once('@') {
+            Some((input, table)) => Self { input, table: Some(table) },
+            None => Self { input: text, table: None },
+        }
+    }
+}
+
+/// Checks a plugin section: `kind` must name one of `kinds`, and the rest must match that
+/// kind's config schema (given by `schema_of`).
+pub fn check_plugin_section(
+    path: &KeyPath,
+    section: &PluginSection,
+    kinds: &[&str],
+    schema_of: impl Fn(&str) -> Option<Value>,
+) -> Vec<Diagnostic> {
+    let mut out = Vec::new();
+    let what = path.to_string();
+    match section.0.get("kind") {
+        None => out.push(
+            Diagnostic::new(path.clone(), format!("missing required key `kind` in [{what}]"))
+                .with_help(suggest("", "kinds", kinds)),
+        ),
+        Some(Value::String(kind)) => match schema_of(kind) {
+            Some(schema) => {
+                let mut config = section.config();
+                walk::check(&schema, &mut config, path, &mut out);
+            }
+            None => out.push(
+                Diagnostic::new(path.key("kind"), format!("unknown {what} kind \"{kind}\""))
+                    .with_help(suggest(kind, "kinds", kinds)),
+            ),
+        },
+        Some(other) => out.push(Diagnostic::new(
+            path.key("kind"),
+            format!("wrong type: expected a string, found {}", walk::type_name(other)),
+        )),
+    }
+    out
+}
+
+fn positive_f64(out: &mut Vec<Diagnostic>, path: KeyPath, x: f64) {
+    if !(x.is_finite() && x > 0.0) {
+        out.push(Diagnostic::new(path, format!("must be a positive finite number, found {x}")));
+    }
+}
+
+/// Cross-section checks of a typed recipe. `sparse_features` are the sparse features the
+/// sampler produces, when the sampler is known.
+pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> Vec<Diagnostic> {
+    let mut out = Vec::new();
+    let root = KeyPath::root();
+
+    let run = root.key("run");
+    if recipe.run.name.trim().is_empty() || recipe.run.name.contains(['/', '\\']) {
+        out.push(
+            Diagnostic::new(run.key("name"), format!("invalid run name \"{}\"", recipe.run.name))
+                .with_help("use a non-empty name without path separators (set run.output_dir for a path)"),
+        );
+    }
+    if recipe.run.threads == Some(0) {
+        out.push(
+            Diagnostic::new(run.key("threads"), "threads must be at least 1")
+                .with_help("leave it out to use all cores"),
+        );
+    }
+
+    let data = root.key("data");
+    if recipe.data.batch_size == 0 {
+        out.push(Diagnostic::new(data.key("batch_size"), "batch_size must be greater than 0"));
+    }
+    if recipe.data.eval_batch_size == Some(0) {
+        out.push(Diagnostic::new(data.key("eval_batch_size"), "eval_batch_size must be greater than 0"));
+    }
+
+    let tables = root.key("tables");
+    if recipe.tables.is_empty() {
+        out.push(
+            Diagnostic::new(tables.clone(), "a recipe needs at least one embedding table")
+                .with_help("add a [[tables]] entry"),
+        );
+    }
+    let mut table_names: HashMap<&str, usize> = HashMap::new();
+    let mut used_by: HashMap<&str, Vec<(usize, usize)>> = HashMap::new();
+    let mut outputs: HashMap<&str, (usize, usize)> = HashMap::new();
+    for (t, table) in recipe.tables.iter().enumerate() {
+        let tp = tables.index(t);
+        if let Some(first) = table_names.insert(&table.name, t) {
+            out.push(
+                Diagnostic::new(tp.key("name"), format!("duplicate table name \"{}\"", table.name))
+                    .with_help(format!("tables[{first}] already uses this name; table names must be unique")),
+            );
+        }
+        if table.rows == 0 {
+            out.push(Diagnostic::new(tp.key("rows"), format!("table \"{}\" must have at least one row", table.name)));
+        }
+        if table.dim == 0 {
+            out.push(Diagnostic::new(tp.key("dim"), format!("table \"{}\" must have a positive dim", table.name)));
+        }
+        if table.features.is_empty() {
+            out.push(
+                Diagnostic::new(tp.key("features"), format!("table \"{}\" has no features", table.name))
+                    .with_help("list the sparse features looked up in this table"),
+            );
+        }
+        for (f, feature) in table.features.iter().enumerate() {
+            let fp = tp.key("features").index(f);
+            let r = FeatureRef::parse(feature);
+            if let Some(suffix) = r.table {
+                if suffix != table.name {
+                    out.push(
+                        Diagnostic::new(
+                            fp.clone(),
+                            format!(
+                                "feature \"{feature}\" names table \"{suffix}\" but is listed in table \"{}\"",
+                                table.name
+                            ),
+                        )
+                        .with_help(format!("write \"{}@{}\"", r.input, table.name)),
+                    );
+                }
+            }
+            if let Some(first) = outputs.insert(feature, (t, f)) {
+                out.push(
+                    Diagnostic::new(fp.clone(), format!("feature \"{feature}\" is listed twice"))
+                        .with_help(format!("first listed at tables[{}].features[{}]", first.0, first.1)),
+                );
+            }
+            used_by.entry(r.input).or_default().push((t, f));
+            if let Some(known) = sparse_features {
+                if !known.iter().any(|k| k == r.input) {
+                    let names: Vec<&str> = known.iter().map(String::as_str).collect();
+                    out.push(
+                        Diagnostic::new(
+                            fp,
+                            format!("unknown feature \"{}\": the sampler does not produce it", r.input),
+                        )
+                        .with_help(suggest(r.input, "features", &names)),
+                    );
+                }
+            }
+        }
+    }
+    let mut shared: Vec<_> = used_by.into_iter().filter(|(_, uses)| uses.len() > 1).collect();
+    shared.sort();
+    for (input, uses) in shared {
+        for &(t, f) in &uses {
+            if FeatureRef::parse(&recipe.tables[t].features[f]).table.is_none() {
+                let others: Vec<String> =
+                    uses.iter().map(|&(t, _)| format!("\"{input}@{}\"", recipe.tables[t].name)).collect();
+                out.push(
+                    Diagnostic::new(
+                        tables.index(t).key("features").index(f),
+                        format!("feature \"{input}\" feeds {} tables and needs a per-table name", uses.len()),
+                    )
+                    .with_help(format!("write {} so each pooled output has its own name", others.join(" and "))),
+                );
+            }
+        }
+    }
+
+    let opt = root.key("optimizer");
+    positive_f64(&mut out, opt.key("sparse").key("lr"), recipe.optimizer.sparse.lr() as f64);
+    positive_f64(&mut out, opt.key("dense").key("lr"), recipe.optimizer.dense.lr());
+
+    let train = root.key("train");
+    match (recipe.train.steps, recipe.train.epochs) {
+        (None, None) => out.push(
+            Diagnostic::new(train.clone(), "set how long to train")
+                .with_help("add `steps = N` or `epochs = N` to [train]"),
+        ),
+        (Some(_), Some(_)) => out.push(
+            Diagnostic::new(train.key("epochs"), "`steps` and `epochs` are both set")
+                .with_help("keep exactly one of them"),
+        ),
+        (Some(0), _) => out.push(Diagnostic::new(train.key("steps"), "steps must be greater than 0")),
+        (_, Some(0)) => out.push(Diagnostic::new(train.key("epochs"), "epochs must be greater than 0")),
+        _ => {}
+    }
+    for (key, v) in [
+        ("eval_every", recipe.train.eval_every),
+        ("eval_batches", recipe.train.eval_batches),
+        ("log_every", Some(recipe.train.log_every)),
+    ] {
+        if v == Some(0) {
+            out.push(Diagnostic::new(train.key(key), format!("{key} must be greater than 0")));
+        }
+    }
+    if recipe.metrics.is_empty() {
+        out.push(
+            Diagnostic::new(root.key("metrics"), "no metrics")
+                .with_help("add a [[metrics]] entry such as kind = \"auc\""),
+        );
+    }
+    out
+}
