@@ -1,1 +1,181 @@
 //! Recommendation metrics with TorchRec's definitions (NE, log loss, AUC).
+//!
+//! Every metric accumulates its state over batches (`update`) and reports on demand
+//! (`compute`); `reset` starts over. State is kept in `f64`. The definitions follow
+//! `torchrec/metrics/ne.py` and `torchrec/metrics/auc.py`; the doc comment of each metric
+//! states its formula, including where TorchRec's choices are surprising (base-2 log loss,
+//! tie handling in AUC).
+//!
+//! [`MetricSuite`] holds several metrics, feeds them the same batches and renders a
+//! [`MetricReport`] as an aligned console table or one JSONL line.
+
+mod auc;
+mod ne;
+mod suite;
+
+pub use auc::AucMetric;
+pub use ne::{NE_ETA, NeMetric};
+pub use suite::{MetricReport, MetricSuite, Split, render_table};
+
+/// What went wrong when feeding or reporting a metric.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricError {
+    /// `labels` or `weights` does not have one entry per prediction.
+    #[error(
+        "{what} has {len} entries but there are {predictions} predictions (expected one {what} entry per prediction)"
+    )]
+    LengthMismatch {
+        /// Which input is wrong (`labels` or `weights`).
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// The number of predictions.
+        predictions: usize,
+    },
+    /// An input value is NaN or infinite.
+    #[error("{what}[{index}] = {value} is not finite")]
+    NonFinite {
+        /// Which input holds the value (`predictions`, `labels` or `weights`).
+        what: &'static str,
+        /// Position in the batch.
+        index: usize,
+        /// The offending value.
+        value: f32,
+    },
+    /// A label is outside `[0, 1]` (soft labels inside the interval are allowed).
+    #[error("labels[{index}] = {value} is outside [0, 1]")]
+    LabelOutOfRange {
+        /// Position in the batch.
+        index: usize,
+        /// The offending label.
+        value: f32,
+    },
+    /// A sample weight is negative.
+    #[error("weights[{index}] = {value} is negative (sample weights must be >= 0)")]
+    NegativeWeight {
+        /// Position in the batch.
+        index: usize,
+        /// The offending weight.
+        value: f32,
+    },
+    /// A window size of zero samples was requested.
+    #[error("a metric window must hold at least one sample (got a window of 0)")]
+    EmptyWindow,
+    /// Two metrics of one suite report a value under the same name.
+    #[error("two metrics in the suite both report {name:?}; each reported name must be unique")]
+    DuplicateName {
+        /// The name reported twice.
+        name: String,
+    },
+    /// Serialising a report failed.
+    #[error("could not serialise the metric report: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// A metric accumulated over batches of binary (or soft-label) predictions.
+///
+/// Implementations validate their inputs with [`validate_batch`] and leave their state
+/// unchanged when a batch is rejected.
+pub trait Metric: Send {
+    /// The names [`Metric::compute`] reports, in the same order (e.g. `["ne", "logloss"]`).
+    fn output_names(&self) -> Vec<String>;
+
+    /// Adds one batch. `weights` of `None` means every sample has weight 1.
+    fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError>;
+
+    /// The metric values over everything accumulated since construction or the last reset.
+    fn compute(&self) -> Vec<(String, f64)>;
+
+    /// Forgets all accumulated state.
+    fn reset(&mut self);
+}
+
+/// Checks one batch: `labels` (and `weights`, when given) have one entry per prediction,
+/// every value is finite, labels lie in `[0, 1]` and weights are `>= 0`.
+pub fn validate_batch(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
+    let n = predictions.len();
+    if labels.len() != n {
+        return Err(MetricError::LengthMismatch { what: "labels", len: labels.len(), predictions: n });
+    }
+    if let Some(w) = weights
+        && w.len() != n
+    {
+        return Err(MetricError::LengthMismatch { what: "weights", len: w.len(), predictions: n });
+    }
+    for (index, &value) in predictions.iter().enumerate() {
+        if !value.is_finite() {
+            return Err(MetricError::NonFinite { what: "predictions", index, value });
+        }
+    }
+    for (index, &value) in labels.iter().enumerate() {
+        if !value.is_finite() {
+            return Err(MetricError::NonFinite { what: "labels", index, value });
+        }
+        if !(0.0..=1.0).contains(&value) {
+            return Err(MetricError::LabelOutOfRange { index, value });
+        }
+    }
+    if let Some(w) = weights {
+        for (index, &value) in w.iter().enumerate() {
+            if !value.is_finite() {
+                return Err(MetricError::NonFinite { what: "weights", index, value });
+            }
+            if value < 0.0 {
+                return Err(MetricError::NegativeWeight { index, value });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The weight of sample `i`: 1 when the batch has no weights.
+#[inline]
+fn weight_at(weights: Option<&[f32]>, i: usize) -> f64 {
+    weights.map_or(1.0, |w| f64::from(w[i]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_rejects_bad_batches() {
+        let p = [0.5, 0.5];
+        assert!(matches!(
+            validate_batch(&p, &[1.0], None),
+            Err(MetricError::LengthMismatch { what: "labels", len: 1, predictions: 2 })
+        ));
+        assert!(matches!(
+            validate_batch(&p, &[1.0, 0.0], Some(&[1.0])),
+            Err(MetricError::LengthMismatch { what: "weights", .. })
+        ));
+        assert!(matches!(
+            validate_batch(&[0.5, f32::NAN], &[1.0, 0.0], None),
+            Err(MetricError::NonFinite { what: "predictions", index: 1, .. })
+        ));
+        assert!(matches!(
+            validate_batch(&p, &[f32::INFINITY, 0.0], None),
+            Err(MetricError::NonFinite { what: "labels", index: 0, .. })
+        ));
+        assert!(matches!(validate_batch(&p, &[1.5, 0.0], None), Err(MetricError::LabelOutOfRange { index: 0, .. })));
+        assert!(matches!(
+            validate_batch(&p, &[1.0, 0.0], Some(&[1.0, -2.0])),
+            Err(MetricError::NegativeWeight { index: 1, .. })
+        ));
+        assert!(matches!(
+            validate_batch(&p, &[1.0, 0.0], Some(&[1.0, f32::NAN])),
+            Err(MetricError::NonFinite { what: "weights", index: 1, .. })
+        ));
+        assert!(validate_batch(&p, &[1.0, 0.25], Some(&[0.0, 3.0])).is_ok());
+        assert!(validate_batch(&[], &[], None).is_ok());
+    }
+
+    #[test]
+    fn error_messages_name_the_problem() {
+        let e = validate_batch(&[0.5], &[1.0, 0.0], None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "labels has 2 entries but there are 1 predictions (expected one labels entry per prediction)"
+        );
+    }
+}
