@@ -1,1 +1,12 @@
-//! Builds a training job from a recipe and runs it.
+//! Builds a training job from a recipe and runs it: the only part that knows all the others.
+
+pub mod check;
+pub mod error;
+pub mod job;
+pub mod reference;
+pub mod registry;
+
+pub use check::{check_loaded, load_and_check};
+pub use error::EngineError;
+pub use job::{Job, RunSummary, configure_threads};
+pub use registry::{Registry, SamplerFactory, TypedSampler};

@@ -180,6 +180,15 @@ impl fmt::Display for Diagnostics {
 
 impl std::error::Error for Diagnostics {}
 
+impl Diagnostics {
+    /// Sorted by where they were written (file, line, column; then environment and `--set`
+    /// overrides), keeping the check order among equals.
+    pub fn sorted(mut self) -> Self {
+        self.0.sort_by_key(|d| crate::load::origin_order(&d.origin));
+        self
+    }
+}
+
 /// The closest candidate to `word`, if any is close enough to be a likely typo.
 pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     candidates

@@ -14,6 +14,6 @@ pub mod validate;
 pub mod walk;
 
 pub use diagnostic::{Diagnostic, Diagnostics, KeyPath, Origin, Segment, did_you_mean, suggest};
-pub use load::{ENV_PREFIX, LoadOptions, LoadedRecipe, load};
+pub use load::{ENV_PREFIX, LoadOptions, LoadedRecipe, load, load_valid};
 pub use schema::*;
 pub use validate::{FeatureRef, check_plugin_section, check_semantics};

@@ -55,6 +55,9 @@ pub struct LoadedRecipe {
     pub base_dir: PathBuf,
     /// Where values came from.
     pub sources: Sources,
+    /// Structural problems that did not prevent typing the recipe (unknown keys, bad optional
+    /// values, which were dropped): a recipe is valid only when this is empty.
+    pub problems: Vec<Diagnostic>,
 }
 
 impl LoadedRecipe {
@@ -223,7 +226,9 @@ fn apply_override(root: &mut Value, path: &KeyPath, new: Value) -> Result<(), St
     Ok(())
 }
 
-/// Loads, merges and validates a recipe.
+/// Loads, merges and structurally validates a recipe. Fails when the recipe cannot be typed;
+/// otherwise the remaining structural problems are in [`LoadedRecipe::problems`] (see
+/// [`load_valid`] for a loader that fails on any problem).
 pub fn load(path: &Path, options: &LoadOptions) -> Result<LoadedRecipe, Diagnostics> {
     let files = read_chain(path)?;
     let mut figment = Figment::new();
@@ -293,11 +298,27 @@ pub fn load(path: &Path, options: &LoadOptions) -> Result<LoadedRecipe, Diagnost
         }
     };
     match recipe {
-        Some(recipe) if diags.is_empty() => {
+        Some(recipe) => {
             let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-            Ok(LoadedRecipe { recipe, value, path: path.to_path_buf(), base_dir, sources })
+            Ok(LoadedRecipe { recipe, value, path: path.to_path_buf(), base_dir, sources, problems: diags })
         }
         _ => Err(sources.locate_all(diags)),
+    }
+}
+
+/// Like [`load`], but any structural problem is an error.
+pub fn load_valid(path: &Path, options: &LoadOptions) -> Result<LoadedRecipe, Diagnostics> {
+    let mut loaded = load(path, options)?;
+    let problems = std::mem::take(&mut loaded.problems);
+    if problems.is_empty() { Ok(loaded) } else { Err(loaded.locate(problems)) }
+}
+
+pub(crate) fn origin_order(o: &Origin) -> (u8, String, usize, usize) {
+    match o {
+        Origin::File { path, line, column } => (0, path.display().to_string(), *line, *column),
+        Origin::Env(v) => (1, v.clone(), 0, 0),
+        Origin::Set(a) => (2, a.clone(), 0, 0),
+        Origin::Unknown => (3, String::new(), 0, 0),
     }
 }
 
@@ -312,8 +333,9 @@ impl Sources {
                     }
                     d
                 })
-                .collect(),
+                .collect::<Vec<_>>(),
         )
+        .sorted()
     }
 
     /// Where the value at `path` (or, when it is missing, its nearest written parent) came from.

@@ -142,7 +142,7 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                     );
                 }
             }
-            if let Some(first) = outputs.insert(feature, (t, f)) {
+            if let Some(first) = outputs.insert(feature, (t, f)).filter(|first| first.0 == t) {
                 out.push(
                     Diagnostic::new(fp.clone(), format!("feature \"{feature}\" is listed twice"))
                         .with_help(format!("first listed at tables[{}].features[{}]", first.0, first.1)),

@@ -203,11 +203,13 @@ impl<'a> Walker<'a> {
         let additional = schema.get("additionalProperties");
         let closed = additional.and_then(Value::as_bool) == Some(false)
             || schema.get("unevaluatedProperties").and_then(Value::as_bool) == Some(false);
-        if let Some(required) = schema.get("required").and_then(Value::as_array) {
-            for key in required.iter().filter_map(Value::as_str) {
+        let required: Vec<&str> =
+            schema.get("required").and_then(Value::as_array).map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+        {
+            for &key in &required {
                 if !map.contains_key(key) {
                     let mut d = Diagnostic::new(path.clone(), format!("missing required key `{key}`"));
-                    if let Some(s) = props.get(key).and_then(|p| summary(self.resolve(p)).or_else(|| summary(p))) {
+                    if let Some(s) = props.get(key).and_then(|p| summary(p).or_else(|| summary(self.resolve(p)))) {
                         d = d.with_help(format!("add `{key}`: {s}"));
                     }
                     out.push(d);
@@ -219,7 +221,13 @@ impl<'a> Walker<'a> {
         for key in keys {
             let child = path.key(&key);
             if let Some(prop) = props.get(&key) {
+                let before = out.len();
                 self.walk(prop, map.get_mut(&key).expect("key listed"), &child, out);
+                // A bad optional key is reported, then dropped so its default applies and the
+                // cross-section checks can still run over the rest of the recipe.
+                if out.len() > before && !required.contains(&key.as_str()) {
+                    map.remove(&key);
+                }
             } else if closed {
                 out.push(Diagnostic::new(child, format!("unknown key `{key}`")).with_help(suggest(
                     &key,

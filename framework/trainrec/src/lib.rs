@@ -1,1 +1,24 @@
 //! trainrec: train large recommendation models from a TOML recipe.
+//!
+//! This facade re-exports the framework's parts. A user's own binary with extra plugins is one
+//! line: `trainrec::cli::main_with(trainrec::Registry::builtin().sampler::<MySampler>())`.
+
+pub mod cli;
+
+pub use trainrec_data as data;
+pub use trainrec_embedding as embedding;
+pub use trainrec_engine as engine;
+pub use trainrec_engine::{EngineError, Job, Registry, RunSummary, SamplerFactory, TypedSampler};
+pub use trainrec_metrics as metrics;
+pub use trainrec_models as models;
+pub use trainrec_recipe as recipe;
+pub use trainrec_sparse as sparse;
+
+/// The names most programs need.
+pub mod prelude {
+    pub use trainrec_data::{Batch, DataError, FeatureSchema, Sampler, SamplerContext, Split};
+    pub use trainrec_engine::{Job, Registry, TypedSampler};
+    pub use trainrec_models::{DenseModel, ModelFactory, ModelInputs};
+    pub use trainrec_recipe::{LoadOptions, Recipe};
+    pub use trainrec_sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
+}

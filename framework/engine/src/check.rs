@@ -1,0 +1,82 @@
+//! Whole-recipe validation: structure (done by loading), plugin sections against their own
+//! schemas, then cross-section rules with the sampler's features and the model's inputs.
+
+use std::path::Path;
+
+use trainrec_data::{DataError, FeatureSchema};
+use trainrec_models::ModelInputs;
+use trainrec_recipe::{Diagnostic, Diagnostics, KeyPath, LoadOptions, LoadedRecipe, Recipe, check_plugin_section, check_semantics};
+
+use crate::registry::Registry;
+
+/// Converts a sampler config error into a diagnostic under `data.sampler`.
+pub fn data_config_diagnostic(e: &DataError) -> Option<Diagnostic> {
+    let sampler = KeyPath::root().key("data").key("sampler");
+    match e {
+        DataError::Config { key, message } => {
+            let path = KeyPath::parse(key).map(|k| KeyPath([sampler.0.clone(), k.0].concat())).unwrap_or(sampler);
+            Some(Diagnostic::new(path, message.clone()))
+        }
+        _ => None,
+    }
+}
+
+/// The pooled outputs of the embedding tables: (name, dim) and the key of each one's dim.
+pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
+    let mut outputs = Vec::new();
+    let mut keys = Vec::new();
+    for (t, table) in recipe.tables.iter().enumerate() {
+        for f in &table.features {
+            outputs.push((f.clone(), table.dim));
+            keys.push(KeyPath::root().key("tables").index(t).key("dim"));
+        }
+    }
+    (outputs, keys)
+}
+
+/// Checks everything the registry knows about; returns the sampler's features when sound.
+pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<FeatureSchema, Diagnostics> {
+    let recipe = &loaded.recipe;
+    let mut problems = loaded.problems.clone();
+    let sampler_path = KeyPath::root().key("data").key("sampler");
+    let sampler_problems = check_plugin_section(&sampler_path, &recipe.data.sampler, &registry.sampler_kinds(), |k| {
+        registry.sampler_for(k).map(|f| f.config_schema())
+    });
+    let features = match (sampler_problems.is_empty(), recipe.data.sampler.kind().and_then(|k| registry.sampler_for(k))) {
+        (true, Some(factory)) => match factory.feature_schema(&recipe.data.sampler.config()) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                problems.extend(data_config_diagnostic(&e).or_else(|| Some(Diagnostic::new(sampler_path.clone(), e.to_string()))));
+                None
+            }
+        },
+        _ => None,
+    };
+    problems.extend(sampler_problems);
+    problems.extend(check_semantics(recipe, features.as_ref().map(|f| f.sparse.as_slice())));
+
+    let model_path = KeyPath::root().key("model");
+    let model_problems = check_plugin_section(&model_path, &recipe.model, &registry.model_kinds(), |k| {
+        registry.model_for(k).map(|f| f.config_schema())
+    });
+    if model_problems.is_empty() {
+        if let (Some(factory), Some(features)) = (recipe.model.kind().and_then(|k| registry.model_for(k)), &features) {
+            let (sparse, sparse_dim_keys) = sparse_outputs(recipe);
+            let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys };
+            problems.extend(factory.check(&recipe.model.config(), &inputs));
+        }
+    }
+    problems.extend(model_problems);
+    if problems.is_empty() {
+        Ok(features.expect("a sound sampler section yields features"))
+    } else {
+        Err(loaded.locate(problems))
+    }
+}
+
+/// Loads and fully validates a recipe file.
+pub fn load_and_check(path: &Path, options: &LoadOptions, registry: &Registry) -> Result<(LoadedRecipe, FeatureSchema), Diagnostics> {
+    let loaded = trainrec_recipe::load(path, options)?;
+    let features = check_loaded(&loaded, registry)?;
+    Ok((loaded, features))
+}

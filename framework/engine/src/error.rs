@@ -1,0 +1,40 @@
+//! Engine errors, each saying whose fault it is.
+
+use std::path::PathBuf;
+
+/// Why a job could not be built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The recipe is invalid (every problem, located).
+    #[error("{0}")]
+    Recipe(#[from] trainrec_recipe::Diagnostics),
+    /// The data could not be read.
+    #[error("data: {0}")]
+    Data(#[from] trainrec_data::DataError),
+    /// The embedding collection rejected its input.
+    #[error("embedding: {0}")]
+    Embedding(#[from] trainrec_embedding::EmbeddingError),
+    /// The dense model could not be built.
+    #[error("model: {0}")]
+    Model(#[from] trainrec_models::ModelError),
+    /// A metric rejected its input.
+    #[error("metrics: {0}")]
+    Metric(#[from] trainrec_metrics::MetricError),
+    /// libtorch reported an error.
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    /// A file of the run directory could not be written.
+    #[error("cannot write {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A split produced no batches.
+    #[error("the sampler's {0} split produced no batches; check its size settings")]
+    EmptySplit(&'static str),
+    /// A broken internal invariant: a trainrec bug.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
+}

@@ -1,0 +1,320 @@
+//! A training job built from a validated recipe: sampler, embedding collection, dense model,
+//! optimizers and metrics; the train/eval loop; the run directory.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use tch::{Device, Kind, Tensor, nn};
+use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
+use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
+use trainrec_metrics::{AucMetric, Metric, NeMetric};
+use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
+use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
+
+use crate::check::sparse_outputs;
+use crate::error::EngineError;
+use crate::registry::Registry;
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    /// Training steps taken.
+    pub steps: u64,
+    /// Training examples seen.
+    pub samples: u64,
+    /// Wall time of the training loop (evaluation included), seconds.
+    pub train_seconds: f64,
+    /// The last evaluation's metrics, by name.
+    pub eval: BTreeMap<String, f64>,
+    /// Mean train loss over the first `log_every` steps and over the last `log_every` steps.
+    pub train_loss: (f64, f64),
+    /// The run directory.
+    pub output_dir: PathBuf,
+}
+
+/// The runtime objects of a job.
+pub struct Job {
+    recipe: Recipe,
+    resolved_toml: String,
+    sampler: Box<dyn Sampler>,
+    ebc: EmbeddingBagCollection,
+    _vs: nn::VarStore,
+    model: Box<dyn DenseModel>,
+    dense_opt: DenseOptimizer,
+    num_dense: usize,
+}
+
+/// Sets libtorch's and the embedding kernels' thread counts.
+pub fn configure_threads(threads: Option<usize>) -> usize {
+    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    tch::set_num_threads(n as i32);
+    tch::set_num_interop_threads(1);
+    // The global pool can be set once per process; later jobs in the same process reuse it.
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+    n
+}
+
+impl Job {
+    /// Builds every part of the job. The recipe must have passed [`crate::check_loaded`].
+    pub fn build(loaded: &LoadedRecipe, features: &FeatureSchema, registry: &Registry) -> Result<Self, EngineError> {
+        let recipe = loaded.recipe.clone();
+        let resolved_toml = loaded.resolved_toml().map_err(|e| EngineError::Internal(format!("cannot serialize the resolved recipe: {e}")))?;
+        configure_threads(recipe.run.threads);
+        tch::manual_seed(recipe.run.seed as i64);
+
+        let mut feature_rows = BTreeMap::new();
+        for table in &recipe.tables {
+            for f in &table.features {
+                feature_rows.insert(FeatureRef::parse(f).input.to_string(), table.rows);
+            }
+        }
+        let kind = recipe.data.sampler.kind().unwrap_or_default();
+        let factory = registry.sampler_for(kind).ok_or_else(|| EngineError::Internal(format!("sampler {kind} vanished")))?;
+        let ctx = SamplerContext { feature_rows, base_dir: loaded.base_dir.clone(), seed: recipe.run.seed };
+        let sampler = factory.build(&recipe.data.sampler.config(), &ctx)?;
+
+        let tables = recipe
+            .tables
+            .iter()
+            .map(|t| EmbeddingBagConfig { name: t.name.clone(), rows: t.rows, dim: t.dim, pooling: t.pooling.clone(), features: t.features.clone() })
+            .collect();
+        let ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;
+
+        let vs = nn::VarStore::new(Device::Cpu);
+        let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
+        let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys };
+        let kind = recipe.model.kind().unwrap_or_default();
+        let model_factory = registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
+        let model = model_factory.build(&vs.root(), &recipe.model.config(), &inputs)?;
+        let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
+        Ok(Self { recipe, resolved_toml, sampler, ebc, _vs: vs, model, dense_opt, num_dense: features.num_dense })
+    }
+
+    fn tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor, Tensor), EngineError> {
+        let b = batch.batch_size as i64;
+        let dense = Tensor::from_slice(&batch.dense).view([b, self.num_dense as i64]);
+        let pooled = self.ebc.forward(&batch.sparse)?;
+        let width = pooled.values().len() as i64 / b.max(1);
+        let sparse = Tensor::from_slice(pooled.values()).view([b, width]);
+        let labels = Tensor::from_slice(&batch.labels);
+        Ok((dense, sparse, labels))
+    }
+
+    /// One training step; returns the batch's mean loss.
+    pub fn train_step(&mut self, batch: &Batch) -> Result<f64, EngineError> {
+        let (dense, sparse, labels) = self.tensors(batch)?;
+        let sparse = sparse.set_requires_grad(true);
+        let logits = self.model.forward(&dense, &sparse, true);
+        let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean);
+        self.dense_opt.zero_grad();
+        loss.backward();
+        self.dense_opt.step();
+        let grad = sparse.grad().contiguous().view([-1]);
+        let grad: Vec<f32> = Vec::try_from(&grad).map_err(|e| EngineError::Internal(format!("embedding gradient: {e}")))?;
+        self.ebc.backward_and_update(&batch.sparse, &grad)?;
+        Ok(loss.double_value(&[]))
+    }
+
+    /// Evaluates on the eval split; returns the metrics by name.
+    pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
+        let mut metrics: Vec<Box<dyn Metric>> = self
+            .recipe
+            .metrics
+            .iter()
+            .map(|m| -> Box<dyn Metric> {
+                match m {
+                    MetricSection::Ne { include_logloss } => Box::new(NeMetric::new(*include_logloss)),
+                    MetricSection::Auc {} => Box::new(AucMetric::new()),
+                }
+            })
+            .collect();
+        let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
+        let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
+        let mut seen = 0u64;
+        for batch in self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize) {
+            let batch = batch?;
+            let (dense, sparse, _) = self.tensors(&batch)?;
+            let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
+            let probs: Vec<f32> = Vec::try_from(&probs).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
+            for m in metrics.iter_mut() {
+                m.update(&probs, &batch.labels, None)?;
+            }
+            seen += batch.batch_size as u64;
+        }
+        if seen == 0 {
+            return Err(EngineError::EmptySplit("eval"));
+        }
+        let mut out = BTreeMap::new();
+        for m in &metrics {
+            out.extend(m.compute());
+        }
+        Ok(out)
+    }
+
+    /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run
+    /// directory (`resolved.toml`, `metrics.jsonl`).
+    pub fn run(&mut self) -> Result<RunSummary, EngineError> {
+        let out_dir = self.recipe.output_dir();
+        std::fs::create_dir_all(&out_dir).map_err(|e| EngineError::Io { path: out_dir.clone(), source: e })?;
+        write_atomic(&out_dir.join("resolved.toml"), self.resolved_toml.as_bytes())?;
+        let metrics_path = out_dir.join("metrics.jsonl");
+        let mut log = MetricsLog::create(&metrics_path)?;
+
+        let train = self.recipe.train.clone();
+        let bs = self.recipe.data.batch_size;
+        let bar = progress_bar(train.steps, train.progress);
+        let start = Instant::now();
+        let (mut step, mut samples) = (0u64, 0u64);
+        let mut window = (0.0f64, 0u64);
+        let mut first_loss = None;
+        let mut last_loss = 0.0;
+        let mut last_eval = None;
+        let epochs = train.epochs.unwrap_or(u64::MAX);
+        'outer: for epoch in 0..epochs {
+            let mut in_epoch = 0u64;
+            let _span = tracing::info_span!("epoch", epoch).entered();
+            for batch in self.sampler.batches(Split::Train, epoch, bs)? {
+                let batch = batch?;
+                let loss = self.train_step(&batch)?;
+                step += 1;
+                in_epoch += 1;
+                samples += batch.batch_size as u64;
+                window.0 += loss;
+                window.1 += 1;
+                bar.inc(1);
+                if step % train.log_every == 0 {
+                    let mean = window.0 / window.1 as f64;
+                    first_loss.get_or_insert(mean);
+                    last_loss = mean;
+                    window = (0.0, 0);
+                    let rate = samples as f64 / start.elapsed().as_secs_f64();
+                    bar.set_message(format!("loss {mean:.4} · {} samples/s", human(rate)));
+                    if bar.is_hidden() {
+                        tracing::info!(step, loss = mean, samples_per_s = rate as u64, "train");
+                    }
+                    log.write(step, "train", &BTreeMap::from([("loss".to_string(), mean)]))?;
+                }
+                if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) {
+                    let m = self.evaluate()?;
+                    tracing::info!(step, metrics = ?m, "eval");
+                    log.write(step, "eval", &m)?;
+                    last_eval = Some(m);
+                }
+                if train.steps == Some(step) {
+                    break 'outer;
+                }
+            }
+            if in_epoch == 0 {
+                return Err(EngineError::EmptySplit("train"));
+            }
+        }
+        if window.1 > 0 {
+            let mean = window.0 / window.1 as f64;
+            first_loss.get_or_insert(mean);
+            last_loss = mean;
+            log.write(step, "train", &BTreeMap::from([("loss".to_string(), mean)]))?;
+        }
+        let final_eval = match last_eval {
+            Some(m) if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) => m,
+            _ => {
+                let m = self.evaluate()?;
+                log.write(step, "eval", &m)?;
+                m
+            }
+        };
+        bar.finish_and_clear();
+        log.finish()?;
+        Ok(RunSummary {
+            steps: step,
+            samples,
+            train_seconds: start.elapsed().as_secs_f64(),
+            eval: final_eval,
+            train_loss: (first_loss.unwrap_or(last_loss), last_loss),
+            output_dir: out_dir,
+        })
+    }
+}
+
+fn human(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+fn progress_bar(steps: Option<u64>, enabled: bool) -> ProgressBar {
+    if !enabled || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = match steps {
+        Some(n) => ProgressBar::new(n).with_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps · {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        ),
+        None => ProgressBar::new_spinner()
+            .with_style(ProgressStyle::with_template("{elapsed_precise} {spinner} {pos} steps · {msg}").expect("valid template")),
+    };
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
+    bar
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a reader never sees a
+/// partial file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), EngineError> {
+    let tmp = path.with_extension("tmp");
+    let io = |e| EngineError::Io { path: path.to_path_buf(), source: e };
+    std::fs::write(&tmp, bytes).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        EngineError::Io { path: path.to_path_buf(), source: e }
+    })
+}
+
+/// `metrics.jsonl`: one JSON object per line, each line written whole and flushed, so the file
+/// is valid JSONL at every moment (also when a run stops on an error).
+struct MetricsLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl MetricsLog {
+    fn create(path: &Path) -> Result<Self, EngineError> {
+        let file = File::create(path).map_err(|e| EngineError::Io { path: path.to_path_buf(), source: e })?;
+        Ok(Self { path: path.to_path_buf(), out: BufWriter::new(file) })
+    }
+
+    fn write(&mut self, step: u64, split: &str, metrics: &BTreeMap<String, f64>) -> Result<(), EngineError> {
+        let mut line = serde_json::json!({ "step": step, "split": split, "metrics": metrics }).to_string();
+        line.push('\n');
+        self.out.write_all(line.as_bytes()).and_then(|_| self.out.flush()).map_err(|e| EngineError::Io { path: self.path.clone(), source: e })
+    }
+
+    fn finish(mut self) -> Result<(), EngineError> {
+        self.out.flush().map_err(|e| EngineError::Io { path: self.path.clone(), source: e })
+    }
+}
+
+/// The console table printed at the end of a run.
+pub fn summary_table(s: &RunSummary) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "trained {} steps ({} samples) in {:.1} s · {:.0} samples/s · train loss {:.4} -> {:.4}\n",
+        s.steps,
+        s.samples,
+        s.train_seconds,
+        s.samples as f64 / s.train_seconds.max(1e-9),
+        s.train_loss.0,
+        s.train_loss.1
+    ));
+    out.push_str(&trainrec_metrics::render_table("eval", &s.eval));
+    out.push_str(&format!("\nrun directory: {}", s.output_dir.display()));
+    out
+}

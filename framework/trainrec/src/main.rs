@@ -1,0 +1,5 @@
+//! The `trainrec` command.
+
+fn main() -> std::process::ExitCode {
+    trainrec::cli::main_with(trainrec::Registry::builtin())
+}

@@ -1,0 +1,36 @@
+//! Every shipped recipe, found recursively under `recipes/`, validates against the built-in
+//! registry (structure, plugin sections, cross-section rules).
+
+use trainrec::Registry;
+use trainrec::engine::load_and_check;
+use trainrec::recipe::LoadOptions;
+use trainrec_tests::{toml_files, workspace};
+
+#[test]
+fn every_recipe_validates() {
+    let files = toml_files(&workspace().join("recipes"));
+    assert!(files.len() >= 2, "expected the shipped recipes, found {files:?}");
+    assert!(files.iter().any(|f| f.parent() != Some(&workspace().join("recipes"))), "the sweep must reach subfolders");
+    let registry = Registry::builtin();
+    let options = LoadOptions { overrides: vec![], env: false };
+    let mut failures = Vec::new();
+    for f in &files {
+        if let Err(d) = load_and_check(f, &options, &registry) {
+            failures.push(format!("{}:\n{d}", f.display()));
+        }
+    }
+    assert!(failures.is_empty(), "invalid recipes:\n{}", failures.join("\n\n"));
+}
+
+#[test]
+fn every_recipe_starts_with_its_three_comment_lines() {
+    for f in toml_files(&workspace().join("recipes")) {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let head: Vec<&str> = text.lines().take(3).collect();
+        assert!(
+            head.len() == 3 && head.iter().all(|l| l.starts_with("# ")) && head[1].contains("Run:") && head[2].contains("Override:"),
+            "{} must start with three comment lines: what it trains, `Run:` command, `Override:` example",
+            f.display()
+        );
+    }
+}
