@@ -28,7 +28,10 @@ fn every_recipe_starts_with_its_three_comment_lines() {
         let text = std::fs::read_to_string(&f).unwrap();
         let head: Vec<&str> = text.lines().take(3).collect();
         assert!(
-            head.len() == 3 && head.iter().all(|l| l.starts_with("# ")) && head[1].contains("Run:") && head[2].contains("Override:"),
+            head.len() == 3
+                && head.iter().all(|l| l.starts_with("# "))
+                && head[1].contains("Run:")
+                && head[2].contains("Override:"),
             "{} must start with three comment lines: what it trains, `Run:` command, `Override:` example",
             f.display()
         );

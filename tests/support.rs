@@ -36,8 +36,9 @@ pub fn check_golden(path: &Path, actual: &str) {
         std::fs::write(path, actual).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
         return;
     }
-    let expected = std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("cannot read golden file {} ({e}); run with TRAINREC_BLESS=1 to create it", path.display()));
+    let expected = std::fs::read_to_string(path).unwrap_or_else(|e| {
+        panic!("cannot read golden file {} ({e}); run with TRAINREC_BLESS=1 to create it", path.display())
+    });
     assert!(
         expected == actual,
         "{} is stale; rerun with TRAINREC_BLESS=1 to update it after checking the diff.\n--- expected\n{expected}\n--- actual\n{actual}",

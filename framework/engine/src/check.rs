@@ -5,7 +5,9 @@ use std::path::Path;
 
 use trainrec_data::{DataError, FeatureSchema};
 use trainrec_models::ModelInputs;
-use trainrec_recipe::{Diagnostic, Diagnostics, KeyPath, LoadOptions, LoadedRecipe, Recipe, check_plugin_section, check_semantics};
+use trainrec_recipe::{
+    Diagnostic, Diagnostics, KeyPath, LoadOptions, LoadedRecipe, Recipe, check_plugin_section, check_semantics,
+};
 
 use crate::registry::Registry;
 
@@ -42,11 +44,14 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     let sampler_problems = check_plugin_section(&sampler_path, &recipe.data.sampler, &registry.sampler_kinds(), |k| {
         registry.sampler_for(k).map(|f| f.config_schema())
     });
-    let features = match (sampler_problems.is_empty(), recipe.data.sampler.kind().and_then(|k| registry.sampler_for(k))) {
+    let features = match (sampler_problems.is_empty(), recipe.data.sampler.kind().and_then(|k| registry.sampler_for(k)))
+    {
         (true, Some(factory)) => match factory.feature_schema(&recipe.data.sampler.config()) {
             Ok(f) => Some(f),
             Err(e) => {
-                problems.extend(data_config_diagnostic(&e).or_else(|| Some(Diagnostic::new(sampler_path.clone(), e.to_string()))));
+                problems.extend(
+                    data_config_diagnostic(&e).or_else(|| Some(Diagnostic::new(sampler_path.clone(), e.to_string()))),
+                );
                 None
             }
         },
@@ -75,7 +80,11 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
 }
 
 /// Loads and fully validates a recipe file.
-pub fn load_and_check(path: &Path, options: &LoadOptions, registry: &Registry) -> Result<(LoadedRecipe, FeatureSchema), Diagnostics> {
+pub fn load_and_check(
+    path: &Path,
+    options: &LoadOptions,
+    registry: &Registry,
+) -> Result<(LoadedRecipe, FeatureSchema), Diagnostics> {
     let loaded = trainrec_recipe::load(path, options)?;
     let features = check_loaded(&loaded, registry)?;
     Ok((loaded, features))

@@ -52,7 +52,9 @@ pub struct Job {
 pub fn configure_threads(threads: Option<usize>) -> usize {
     let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     tch::set_num_threads(n as i32);
-    tch::set_num_interop_threads(1);
+    // libtorch accepts the inter-op pool size once per process, before any parallel work.
+    static INTEROP: std::sync::Once = std::sync::Once::new();
+    INTEROP.call_once(|| tch::set_num_interop_threads(1));
     // The global pool can be set once per process; later jobs in the same process reuse it.
     let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
     n
@@ -62,7 +64,9 @@ impl Job {
     /// Builds every part of the job. The recipe must have passed [`crate::check_loaded`].
     pub fn build(loaded: &LoadedRecipe, features: &FeatureSchema, registry: &Registry) -> Result<Self, EngineError> {
         let recipe = loaded.recipe.clone();
-        let resolved_toml = loaded.resolved_toml().map_err(|e| EngineError::Internal(format!("cannot serialize the resolved recipe: {e}")))?;
+        let resolved_toml = loaded
+            .resolved_toml()
+            .map_err(|e| EngineError::Internal(format!("cannot serialize the resolved recipe: {e}")))?;
         configure_threads(recipe.run.threads);
         tch::manual_seed(recipe.run.seed as i64);
 
@@ -73,14 +77,21 @@ impl Job {
             }
         }
         let kind = recipe.data.sampler.kind().unwrap_or_default();
-        let factory = registry.sampler_for(kind).ok_or_else(|| EngineError::Internal(format!("sampler {kind} vanished")))?;
+        let factory =
+            registry.sampler_for(kind).ok_or_else(|| EngineError::Internal(format!("sampler {kind} vanished")))?;
         let ctx = SamplerContext { feature_rows, base_dir: loaded.base_dir.clone(), seed: recipe.run.seed };
         let sampler = factory.build(&recipe.data.sampler.config(), &ctx)?;
 
         let tables = recipe
             .tables
             .iter()
-            .map(|t| EmbeddingBagConfig { name: t.name.clone(), rows: t.rows, dim: t.dim, pooling: t.pooling.clone(), features: t.features.clone() })
+            .map(|t| EmbeddingBagConfig {
+                name: t.name.clone(),
+                rows: t.rows,
+                dim: t.dim,
+                pooling: t.pooling,
+                features: t.features.clone(),
+            })
             .collect();
         let ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;
 
@@ -88,7 +99,8 @@ impl Job {
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
         let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys };
         let kind = recipe.model.kind().unwrap_or_default();
-        let model_factory = registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
+        let model_factory =
+            registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
         let model = model_factory.build(&vs.root(), &recipe.model.config(), &inputs)?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
         Ok(Self { recipe, resolved_toml, sampler, ebc, _vs: vs, model, dense_opt, num_dense: features.num_dense })
@@ -114,7 +126,8 @@ impl Job {
         loss.backward();
         self.dense_opt.step();
         let grad = sparse.grad().contiguous().view([-1]);
-        let grad: Vec<f32> = Vec::try_from(&grad).map_err(|e| EngineError::Internal(format!("embedding gradient: {e}")))?;
+        let grad: Vec<f32> =
+            Vec::try_from(&grad).map_err(|e| EngineError::Internal(format!("embedding gradient: {e}")))?;
         self.ebc.backward_and_update(&batch.sparse, &grad)?;
         Ok(loss.double_value(&[]))
     }
@@ -139,7 +152,8 @@ impl Job {
             let batch = batch?;
             let (dense, sparse, _) = self.tensors(&batch)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
-            let probs: Vec<f32> = Vec::try_from(&probs).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
+            let probs: Vec<f32> =
+                Vec::try_from(&probs).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
             for m in metrics.iter_mut() {
                 m.update(&probs, &batch.labels, None)?;
             }
@@ -259,8 +273,9 @@ fn progress_bar(steps: Option<u64>, enabled: bool) -> ProgressBar {
                 .expect("valid template")
                 .progress_chars("=> "),
         ),
-        None => ProgressBar::new_spinner()
-            .with_style(ProgressStyle::with_template("{elapsed_precise} {spinner} {pos} steps · {msg}").expect("valid template")),
+        None => ProgressBar::new_spinner().with_style(
+            ProgressStyle::with_template("{elapsed_precise} {spinner} {pos} steps · {msg}").expect("valid template"),
+        ),
     };
     bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
     bar
@@ -294,7 +309,10 @@ impl MetricsLog {
     fn write(&mut self, step: u64, split: &str, metrics: &BTreeMap<String, f64>) -> Result<(), EngineError> {
         let mut line = serde_json::json!({ "step": step, "split": split, "metrics": metrics }).to_string();
         line.push('\n');
-        self.out.write_all(line.as_bytes()).and_then(|_| self.out.flush()).map_err(|e| EngineError::Io { path: self.path.clone(), source: e })
+        self.out
+            .write_all(line.as_bytes())
+            .and_then(|_| self.out.flush())
+            .map_err(|e| EngineError::Io { path: self.path.clone(), source: e })
     }
 
     fn finish(mut self) -> Result<(), EngineError> {

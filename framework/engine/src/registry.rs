@@ -35,10 +35,8 @@ pub trait TypedSampler: Sampler + Sized + 'static {
 struct Typed<S>(std::marker::PhantomData<fn() -> S>);
 
 fn parse<C: DeserializeOwned>(config: &Value) -> Result<C, DataError> {
-    serde_path_to_error::deserialize(config).map_err(|e| DataError::Config {
-        key: e.path().to_string(),
-        message: e.inner().to_string(),
-    })
+    serde_path_to_error::deserialize(config)
+        .map_err(|e| DataError::Config { key: e.path().to_string(), message: e.inner().to_string() })
 }
 
 impl<S: TypedSampler> SamplerFactory for Typed<S> {
@@ -78,7 +76,7 @@ impl Registry {
     }
 
     /// Registers a typed sampler.
-    pub fn sampler<S: TypedSampler>(self, ) -> Self {
+    pub fn sampler<S: TypedSampler>(self) -> Self {
         self.sampler_factory(Typed::<S>(std::marker::PhantomData))
     }
 

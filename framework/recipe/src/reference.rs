@@ -130,6 +130,10 @@ impl<'a> Renderer<'a> {
         if !doc.is_empty() {
             self.out.push_str(&format!("{doc}\n\n"));
         }
+        if props.keys().all(|k| Some(k.as_str()) == skip) {
+            self.out.push_str("No other keys.\n");
+            return;
+        }
         self.out.push_str("| key | type | default | description |\n| --- | --- | --- | --- |\n");
         let mut nested = Vec::new();
         for (key, p) in props {

@@ -203,8 +203,11 @@ impl<'a> Walker<'a> {
         let additional = schema.get("additionalProperties");
         let closed = additional.and_then(Value::as_bool) == Some(false)
             || schema.get("unevaluatedProperties").and_then(Value::as_bool) == Some(false);
-        let required: Vec<&str> =
-            schema.get("required").and_then(Value::as_array).map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+        let required: Vec<&str> = schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
         {
             for &key in &required {
                 if !map.contains_key(key) {

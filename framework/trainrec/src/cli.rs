@@ -67,9 +67,15 @@ pub enum Command {
 fn init_tracing(level: Option<&str>) {
     let filter = match level {
         Some(l) => tracing_subscriber::EnvFilter::new(l),
-        None => tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        None => tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
     };
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
 }
 
 /// Runs the CLI with the given registry (built-ins plus a user's plugins).
@@ -101,7 +107,7 @@ fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> 
     if bad > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS }
 }
 
-fn run(registry: &Registry, path: &PathBuf, options: &LoadOptions) -> ExitCode {
+fn run(registry: &Registry, path: &std::path::Path, options: &LoadOptions) -> ExitCode {
     let (loaded, features) = match load_and_check(path, options, registry) {
         Ok(x) => x,
         Err(diags) => {

@@ -1,0 +1,77 @@
+//! The `trainrec` binary: exit codes and what it prints.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn trainrec(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+        .args(args)
+        .current_dir(workspace())
+        .env_remove("RUST_LOG")
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .expect("the binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn validate_reports_every_problem_and_exits_2() {
+    let (code, stdout, stderr) =
+        trainrec(&["validate", "recipes/quickstart.toml", "tests/golden/diagnostics/unknown_keys.toml"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stdout.contains("ok: recipes/quickstart.toml")
+            && stdout.contains("invalid: tests/golden/diagnostics/unknown_keys.toml")
+    );
+    assert!(
+        stderr.contains("--> tests/golden/diagnostics/unknown_keys.toml:8:1") && stderr.contains("key: train.stepz"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("3 problems found"), "{stderr}");
+    let (code, _, _) = trainrec(&["validate", "recipes/quickstart.toml"]);
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn run_refuses_an_invalid_recipe_before_writing_anything() {
+    let dir = std::env::temp_dir().join(format!("trainrec-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out_dir = format!("run.output_dir=\"{}\"", dir.display());
+    let (code, _, stderr) =
+        trainrec(&["run", "recipes/quickstart.toml", "--set", "tables[0].dim=0", "--set", &out_dir]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("key: tables[0].dim") && stderr.contains("--set tables[0].dim=0"), "{stderr}");
+    assert!(!dir.exists(), "an invalid run must not create its run directory");
+}
+
+#[test]
+fn environment_overrides_are_applied_and_located() {
+    let out = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+        .args(["validate", "recipes/quickstart.toml"])
+        .current_dir(workspace())
+        .env("TRAINREC_TRAIN__STEPS", "-4")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("environment variable TRAINREC_TRAIN__STEPS") && stderr.contains("key: train.steps"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn reference_prints_the_generated_page() {
+    let (code, stdout, _) = trainrec(&["reference"]);
+    assert_eq!(code, 0);
+    let page = std::fs::read_to_string(workspace().join("book/src/reference/recipe.md")).unwrap();
+    assert_eq!(stdout, page);
+}

@@ -1,0 +1,94 @@
+//! End-to-end training runs through the library API: the quickstart learns its planted signal,
+//! runs are deterministic, and DLRM trains on the real Criteo sample.
+
+use std::path::{Path, PathBuf};
+
+use trainrec::engine::load_and_check;
+use trainrec::recipe::LoadOptions;
+use trainrec::{Job, Registry, RunSummary};
+use trainrec_tests::{shared_data, workspace};
+
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainrec-e2e-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// libtorch's seed and thread settings are process-wide: jobs in one test process run one at a time.
+static ONE_JOB_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn run(recipe: &Path, overrides: &[String]) -> RunSummary {
+    let _guard = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut all = vec!["run.threads=1".to_string(), "train.progress=false".to_string()];
+    all.extend_from_slice(overrides);
+    let options = LoadOptions { overrides: all, env: false };
+    let registry = Registry::builtin();
+    let (loaded, features) = load_and_check(recipe, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+    let mut job = Job::build(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}"));
+    job.run().unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn quickstart_learns_the_planted_signal() {
+    let dir = out_dir("quickstart");
+    let s = run(
+        &workspace().join("recipes/quickstart.toml"),
+        &[
+            "train.steps=400".into(),
+            "train.eval_every=200".into(),
+            "train.log_every=50".into(),
+            "data.sampler.eval_samples=16384".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ],
+    );
+    eprintln!("quickstart (400 steps): {:?} loss {:?}", s.eval, s.train_loss);
+    assert_eq!(s.steps, 400);
+    assert!(s.eval["auc"] > 0.75, "eval AUC {}", s.eval["auc"]);
+    assert!(s.eval["ne"] < 0.9, "eval NE {}", s.eval["ne"]);
+    assert!(s.train_loss.1 < s.train_loss.0 - 0.02, "train loss did not go down: {:?}", s.train_loss);
+    let resolved = std::fs::read_to_string(dir.join("resolved.toml")).unwrap();
+    assert!(resolved.contains("steps = 400"), "{resolved}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let evals: Vec<&serde_json::Value> = lines.iter().filter(|l| l["split"] == "eval").collect();
+    assert_eq!(evals.iter().map(|l| l["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![200, 400]);
+    assert_eq!(lines.iter().filter(|l| l["split"] == "train").count(), 8);
+    for key in ["ne", "logloss", "auc"] {
+        assert!(evals[1]["metrics"][key].is_f64(), "{key} missing in {:?}", evals[1]);
+    }
+}
+
+#[test]
+fn same_seed_same_metrics() {
+    let go = |name: &str| {
+        let dir = out_dir(name);
+        run(
+            &workspace().join("recipes/quickstart.toml"),
+            &[
+                "train.steps=40".into(),
+                "train.eval_every=20".into(),
+                "train.log_every=10".into(),
+                "data.sampler.eval_samples=2048".into(),
+                format!("run.output_dir=\"{}\"", dir.display()),
+            ],
+        );
+        std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap()
+    };
+    let (a, b) = (go("det-a"), go("det-b"));
+    assert!(a.lines().count() >= 6);
+    assert_eq!(a, b, "two runs with the same seed wrote different metrics");
+}
+
+#[test]
+fn criteo_sample_trains() {
+    let Some(_) = shared_data("criteo-kaggle-sample/train_examples.txt") else { return };
+    let dir = out_dir("criteo");
+    let s =
+        run(&workspace().join("recipes/criteo/kaggle_sample.toml"), &[format!("run.output_dir=\"{}\"", dir.display())]);
+    eprintln!("criteo sample: {:?} loss {:?} in {} steps", s.eval, s.train_loss, s.steps);
+    assert!(s.eval["auc"] > 0.7, "eval AUC {}", s.eval["auc"]);
+    assert!(s.eval["ne"] < 0.95, "eval NE {}", s.eval["ne"]);
+}
