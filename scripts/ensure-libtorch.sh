@@ -12,7 +12,7 @@ fi
 echo "trainrec: libtorch 2.11.0 not found under .libtorch/, installing it from PyPI (about 1.2 GB, once)..." >&2
 tmp="$root/.libtorch.partial"
 rm -rf "$tmp"
-python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$tmp" \
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$tmp" \
   torch==2.11.0 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85
 # CPU build: without libtorch_cuda.so torch-sys links the CPU libraries only, so the small CUDA
 # runtime wheels above are all libtorch_cpu.so needs. Drop what a CPU build never loads.

@@ -17,3 +17,24 @@ fn reference_documents_every_key() {
     }
     assert!(!page.contains("|  |\n"), "a key without a doc comment");
 }
+
+#[test]
+fn book_links_and_includes_resolve() {
+    let src = workspace().join("book/src");
+    let summary = std::fs::read_to_string(src.join("SUMMARY.md")).unwrap();
+    let mut pages = Vec::new();
+    for part in summary.split("](").skip(1) {
+        let target = &part[..part.find(')').expect("closing parenthesis")];
+        assert!(src.join(target).exists(), "SUMMARY.md links to missing {target}");
+        pages.push(src.join(target));
+    }
+    assert!(pages.len() >= 5);
+    for page in pages {
+        let text = std::fs::read_to_string(&page).unwrap();
+        for inc in text.split("{{#include ").skip(1) {
+            let target = &inc[..inc.find("}}").expect("closing braces")];
+            let path = page.parent().unwrap().join(target.trim());
+            assert!(path.exists(), "{} includes missing {}", page.display(), path.display());
+        }
+    }
+}

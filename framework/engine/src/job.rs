@@ -108,10 +108,25 @@ impl Job {
 
     fn tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor, Tensor), EngineError> {
         let b = batch.batch_size as i64;
-        let dense = Tensor::from_slice(&batch.dense).view([b, self.num_dense as i64]);
+        if batch.dense.len() != batch.batch_size * self.num_dense
+            || batch.labels.len() != batch.batch_size
+            || batch.sparse.stride() != batch.batch_size
+        {
+            return Err(EngineError::Data(trainrec_data::DataError::Config {
+                key: String::new(),
+                message: format!(
+                    "the sampler produced an inconsistent batch: batch_size {}, {} dense values ({} per example expected), {} labels, sparse stride {}",
+                    batch.batch_size,
+                    batch.dense.len(),
+                    self.num_dense,
+                    batch.labels.len(),
+                    batch.sparse.stride()
+                ),
+            }));
+        }
+        let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?;
         let pooled = self.ebc.forward(&batch.sparse)?;
-        let width = pooled.values().len() as i64 / b.max(1);
-        let sparse = Tensor::from_slice(pooled.values()).view([b, width]);
+        let sparse = Tensor::from_slice(pooled.values()).f_view([b, pooled.width() as i64])?;
         let labels = Tensor::from_slice(&batch.labels);
         Ok((dense, sparse, labels))
     }
