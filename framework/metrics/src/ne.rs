@@ -1,17 +1,40 @@
-//! Normalized entropy and log loss, as `torchrec/metrics/ne.py` defines them.
+//! Normalized entropy and log loss (TorchRec `torchrec/metrics/ne.py`).
 
 use crate::{Metric, MetricError, validate_batch, weight_at};
 
-/// Predictions and the base rate are clamped to `[eta, 1 - eta]` before taking logs (TorchRec's `eta`).
+/// The clamp TorchRec applies to predictions, the mean label and denominators (`eta`).
 pub const NE_ETA: f64 = 1e-12;
 
-/// Normalized entropy (and optionally log loss).
+/// Normalized entropy, optionally with log loss, exactly as TorchRec defines them.
 ///
-/// With `p` clamped to `[eta, 1-eta]`, `ce = -w (y log2 p + (1-y) log2(1-p))` summed over
-/// samples; `pos = Σ w y`, `neg = Σ w (1-y)`, `m = clamp(pos / Σ w)`:
-/// `ne = Σ ce / (-(pos log2 m + neg log2(1-m)))`. Log loss is TorchRec's
-/// `Σ ce / max(pos + neg, eta)` — note the **base-2** logarithm (bits per example).
-#[derive(Clone, Debug, Default)]
+/// Per sample, with the prediction clamped to `p = clamp(prediction, eta, 1 - eta)`,
+/// `eta = 1e-12` (the clamp happens in `f64`), label `y` and weight `w`:
+///
+/// ```text
+/// ce = -w * y * log2(p) - w * (1 - y) * log2(1 - p)
+/// ```
+///
+/// The state is four running `f64` sums over every batch since the last reset:
+/// `ce_sum`, `weighted_num_samples = Σ w`, `pos = Σ w * y` and `neg = Σ w * (1 - y)`.
+/// From them:
+///
+/// ```text
+/// mean_label = clamp(pos / max(weighted_num_samples, eta), eta, 1 - eta)
+/// ne         = ce_sum / (-pos * log2(mean_label) - neg * log2(1 - mean_label))
+/// logloss    = ce_sum / max(pos + neg, eta)
+/// ```
+///
+/// Both use **base-2** logarithms, as TorchRec does: TorchRec's `logloss` is the mean cross
+/// entropy in bits, i.e. the natural-log log loss (scikit-learn's) divided by `ln 2`.
+/// NE is unit-free, so the base does not matter for it. NE is 1.0 for a model that always
+/// predicts the (weighted) base rate and approaches 0 for perfect predictions.
+///
+/// Before any sample has been seen both values are NaN (0 / 0), as in TorchRec. When every
+/// label is of one class the denominator is tiny and NE huge, also as in TorchRec.
+///
+/// Only the lifetime value (since the last reset) is reported; TorchRec's additional
+/// windowed NE is not implemented.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct NeMetric {
     include_logloss: bool,
     ce_sum: f64,
@@ -21,52 +44,74 @@ pub struct NeMetric {
 }
 
 impl NeMetric {
-    /// A new NE metric; `include_logloss` also reports `logloss`.
+    /// A fresh NE metric; with `include_logloss` it also reports `logloss`.
     pub fn new(include_logloss: bool) -> Self {
         Self { include_logloss, ..Self::default() }
     }
 
-    /// NE over the accumulated state (NaN before any sample).
+    /// Whether `logloss` is reported next to `ne`.
+    pub fn include_logloss(&self) -> bool {
+        self.include_logloss
+    }
+
+    /// The normalized entropy of everything accumulated so far.
     pub fn ne(&self) -> f64 {
-        let m = (self.pos / self.weighted_num_samples).clamp(NE_ETA, 1.0 - NE_ETA);
-        let norm = -self.pos * m.log2() - self.neg * (1.0 - m).log2();
+        let weighted = self.weighted_num_samples.max(NE_ETA);
+        let mean_label = (self.pos / weighted).clamp(NE_ETA, 1.0 - NE_ETA);
+        let norm = -self.pos * mean_label.log2() - self.neg * (1.0 - mean_label).log2();
         self.ce_sum / norm
     }
 
-    /// Log loss (base 2) over the accumulated state.
+    /// TorchRec's log loss (mean base-2 cross entropy) of everything accumulated so far.
     pub fn logloss(&self) -> f64 {
         self.ce_sum / (self.pos + self.neg).max(NE_ETA)
+    }
+
+    /// The weighted cross-entropy sum (bits) accumulated so far.
+    pub fn cross_entropy_sum(&self) -> f64 {
+        self.ce_sum
+    }
+
+    /// The sum of sample weights accumulated so far.
+    pub fn weighted_num_samples(&self) -> f64 {
+        self.weighted_num_samples
     }
 }
 
 impl Metric for NeMetric {
     fn output_names(&self) -> Vec<String> {
-        let mut v = vec!["ne".to_string()];
+        let mut names = vec!["ne".to_owned()];
         if self.include_logloss {
-            v.push("logloss".into());
+            names.push("logloss".to_owned());
         }
-        v
+        names
     }
 
     fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
         validate_batch(predictions, labels, weights)?;
+        let (mut ce, mut wsum, mut pos, mut neg) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
         for (i, (&p, &y)) in predictions.iter().zip(labels).enumerate() {
+            let p = f64::from(p).clamp(NE_ETA, 1.0 - NE_ETA);
+            let y = f64::from(y);
             let w = weight_at(weights, i);
-            let (p, y) = ((p as f64).clamp(NE_ETA, 1.0 - NE_ETA), y as f64);
-            self.ce_sum += -w * y * p.log2() - w * (1.0 - y) * (1.0 - p).log2();
-            self.weighted_num_samples += w;
-            self.pos += w * y;
-            self.neg += w * (1.0 - y);
+            ce += -w * y * p.log2() - w * (1.0 - y) * (1.0 - p).log2();
+            wsum += w;
+            pos += w * y;
+            neg += w * (1.0 - y);
         }
+        self.ce_sum += ce;
+        self.weighted_num_samples += wsum;
+        self.pos += pos;
+        self.neg += neg;
         Ok(())
     }
 
     fn compute(&self) -> Vec<(String, f64)> {
-        let mut v = vec![("ne".to_string(), self.ne())];
+        let mut out = vec![("ne".to_owned(), self.ne())];
         if self.include_logloss {
-            v.push(("logloss".into(), self.logloss()));
+            out.push(("logloss".to_owned(), self.logloss()));
         }
-        v
+        out
     }
 
     fn reset(&mut self) {
@@ -78,39 +123,124 @@ impl Metric for NeMetric {
 mod tests {
     use super::*;
 
+    fn close(a: f64, b: f64, tol: f64) -> bool {
+        (a - b).abs() <= tol * b.abs().max(1.0)
+    }
+
+    // Dyadic predictions are exact in f32, so the hand values below are exact references.
+    const P: [f32; 4] = [0.875, 0.25, 0.625, 0.375];
+    const Y: [f32; 4] = [1.0, 0.0, 0.0, 1.0];
+
     #[test]
-    fn hand_computed_ne_and_logloss() {
+    fn hand_computed_unweighted() {
+        // ce = -log2(.875) - log2(.75) - log2(.375) - log2(.375) = 3.4377575757789276 bits;
+        // pos = neg = 2, mean label 0.5, so the denominator is 4 bits.
         let mut m = NeMetric::new(true);
-        m.update(&[0.8, 0.4, 0.1, 0.6], &[1.0, 0.0, 0.0, 1.0], None).unwrap();
-        let ce = -(0.8f64.log2() + 0.6f64.log2() + 0.9f64.log2() + 0.6f64.log2());
-        let norm = -(2.0 * 0.5f64.log2() + 2.0 * 0.5f64.log2()); // base rate 0.5: 4 bits
-        let r = m.compute();
-        assert!((r[0].1 - ce / norm).abs() < 1e-6);
-        assert!((r[1].1 - ce / 4.0).abs() < 1e-6);
+        m.update(&P, &Y, None).unwrap();
+        let out = m.compute();
+        assert_eq!(out[0].0, "ne");
+        assert_eq!(out[1].0, "logloss");
+        assert!(close(m.cross_entropy_sum(), 3.4377575757789276, 1e-14));
+        assert!(close(out[0].1, 0.8594393939447319, 1e-14));
+        assert!(close(out[1].1, 0.8594393939447319, 1e-14));
     }
 
     #[test]
-    fn predicting_the_base_rate_is_one_and_perfect_is_near_zero() {
-        let labels = [1.0, 0.0, 0.0, 0.0];
-        let mut base = NeMetric::new(false);
-        base.update(&[0.25; 4], &labels, None).unwrap();
-        assert!((base.ne() - 1.0).abs() < 1e-6);
-        let mut perfect = NeMetric::new(false);
-        perfect.update(&[1.0, 0.0, 0.0, 0.0], &labels, None).unwrap();
-        assert!(perfect.ne() < 1e-9);
+    fn hand_computed_weighted() {
+        // w = [1, 2, 0.5, 3]: ce = 5.975351323976037, pos = 4, neg = 2.5,
+        // mean label 4/6.5, denominator 6.248037930698693.
+        let w = [1.0, 2.0, 0.5, 3.0];
+        let mut m = NeMetric::new(true);
+        m.update(&P, &Y, Some(&w)).unwrap();
+        assert!(close(m.ne(), 0.9563564418546731, 1e-14));
+        assert!(close(m.logloss(), 0.9192848190732364, 1e-14));
+        assert_eq!(m.weighted_num_samples(), 6.5);
     }
 
     #[test]
-    fn weights_count_like_repeats_and_state_survives_rejects() {
-        let mut w = NeMetric::new(true);
-        w.update(&[0.7, 0.2], &[1.0, 0.0], Some(&[2.0, 1.0])).unwrap();
-        let mut rep = NeMetric::new(true);
-        rep.update(&[0.7, 0.7, 0.2], &[1.0, 1.0, 0.0], None).unwrap();
-        assert!((w.ne() - rep.ne()).abs() < 1e-12 && (w.logloss() - rep.logloss()).abs() < 1e-12);
-        let before = w.ne();
-        assert!(w.update(&[0.5], &[2.0], None).is_err());
-        assert_eq!(w.ne(), before);
-        w.reset();
-        assert!(w.ne().is_nan());
+    fn logloss_is_base_two() {
+        // A single positive predicted at 0.5 costs exactly one bit.
+        let mut m = NeMetric::new(true);
+        m.update(&[0.5], &[1.0], None).unwrap();
+        assert_eq!(m.logloss(), 1.0);
+    }
+
+    #[test]
+    fn integer_weight_equals_repeated_samples() {
+        let mut weighted = NeMetric::new(true);
+        weighted.update(&[0.3, 0.8], &[0.0, 1.0], Some(&[3.0, 2.0])).unwrap();
+        let mut repeated = NeMetric::new(true);
+        repeated.update(&[0.3, 0.3, 0.3, 0.8, 0.8], &[0.0, 0.0, 0.0, 1.0, 1.0], None).unwrap();
+        assert!(close(weighted.ne(), repeated.ne(), 1e-13));
+        assert!(close(weighted.logloss(), repeated.logloss(), 1e-13));
+    }
+
+    #[test]
+    fn predicting_the_base_rate_gives_one() {
+        // 3 positives out of 8; 0.375 is exact in f32.
+        let labels = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0];
+        let preds = [0.375f32; 8];
+        let mut m = NeMetric::new(false);
+        m.update(&preds, &labels, None).unwrap();
+        assert!(close(m.ne(), 1.0, 1e-14), "ne = {}", m.ne());
+        assert_eq!(m.compute().len(), 1);
+
+        // Weighted base rate: pos = 1 * 1 + 3 * 1 = 4 of 8, so predict 0.5.
+        let mut m = NeMetric::new(false);
+        m.update(&[0.5; 3], &[1.0, 0.0, 1.0], Some(&[1.0, 4.0, 3.0])).unwrap();
+        assert!(close(m.ne(), 1.0, 1e-14));
+    }
+
+    #[test]
+    fn perfect_predictions_give_near_zero() {
+        let labels = [1.0, 0.0, 0.0, 1.0];
+        let mut m = NeMetric::new(true);
+        m.update(&labels, &labels, None).unwrap();
+        // Each sample costs -log2(1 - 1e-12) ~ 1.44e-12 bits after the clamp.
+        assert!(m.ne() > 0.0 && m.ne() < 1e-11, "ne = {}", m.ne());
+        assert!(close(m.logloss(), -(1.0 - NE_ETA).log2(), 1e-6));
+    }
+
+    #[test]
+    fn batches_accumulate_like_one_batch() {
+        let w = [1.0, 2.0, 0.5, 3.0];
+        let mut whole = NeMetric::new(true);
+        whole.update(&P, &Y, Some(&w)).unwrap();
+        let mut split = NeMetric::new(true);
+        split.update(&P[..1], &Y[..1], Some(&w[..1])).unwrap();
+        split.update(&P[1..], &Y[1..], Some(&w[1..])).unwrap();
+        assert!(close(whole.ne(), split.ne(), 1e-14));
+        assert!(close(whole.logloss(), split.logloss(), 1e-14));
+    }
+
+    #[test]
+    fn reset_and_empty_state() {
+        let mut m = NeMetric::new(true);
+        assert!(m.ne().is_nan());
+        m.update(&P, &Y, None).unwrap();
+        m.reset();
+        assert!(m.include_logloss());
+        assert!(m.ne().is_nan());
+        assert_eq!(m.logloss(), 0.0);
+        assert_eq!(m, NeMetric::new(true));
+    }
+
+    #[test]
+    fn rejected_batch_leaves_state_unchanged() {
+        let mut m = NeMetric::new(true);
+        m.update(&P, &Y, None).unwrap();
+        let before = m.clone();
+        assert!(m.update(&[0.5, f32::NAN], &[1.0, 0.0], None).is_err());
+        assert!(m.update(&[0.5], &[1.0, 0.0], None).is_err());
+        assert_eq!(m, before);
+    }
+
+    #[test]
+    fn out_of_range_predictions_are_clamped() {
+        let mut clamped = NeMetric::new(true);
+        clamped.update(&[1.5, -0.5], &[1.0, 0.0], None).unwrap();
+        let mut exact = NeMetric::new(true);
+        exact.update(&[1.0, 0.0], &[1.0, 0.0], None).unwrap();
+        assert_eq!(clamped.ne(), exact.ne());
     }
 }
