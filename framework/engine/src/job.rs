@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tch::{Device, Kind, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
-use trainrec_metrics::{AucMetric, Metric, NeMetric};
+use trainrec_metrics::{AucMetric, Metric, MetricSuite, NeMetric};
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
@@ -149,7 +149,7 @@ impl Job {
 
     /// Evaluates on the eval split; returns the metrics by name.
     pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
-        let mut metrics: Vec<Box<dyn Metric>> = self
+        let metrics: Vec<Box<dyn Metric>> = self
             .recipe
             .metrics
             .iter()
@@ -160,6 +160,7 @@ impl Job {
                 }
             })
             .collect();
+        let mut suite = MetricSuite::new(metrics)?;
         let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
         let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
         let mut seen = 0u64;
@@ -169,19 +170,13 @@ impl Job {
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> =
                 Vec::try_from(&probs).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
-            for m in metrics.iter_mut() {
-                m.update(&probs, &batch.labels, None)?;
-            }
+            suite.update(&probs, &batch.labels, None)?;
             seen += batch.batch_size as u64;
         }
         if seen == 0 {
             return Err(EngineError::EmptySplit("eval"));
         }
-        let mut out = BTreeMap::new();
-        for m in &metrics {
-            out.extend(m.compute());
-        }
-        Ok(out)
+        Ok(suite.report(0, trainrec_metrics::Split::Eval).metrics)
     }
 
     /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run

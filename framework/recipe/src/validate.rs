@@ -208,6 +208,16 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             out.push(Diagnostic::new(train.key(key), format!("{key} must be greater than 0")));
         }
     }
+    for (i, m) in recipe.metrics.iter().enumerate() {
+        if let Some(first) =
+            recipe.metrics[..i].iter().position(|x| std::mem::discriminant(x) == std::mem::discriminant(m))
+        {
+            out.push(
+                Diagnostic::new(root.key("metrics").index(i).key("kind"), "this metric is listed twice")
+                    .with_help(format!("metrics[{first}] is the same kind; keep one")),
+            );
+        }
+    }
     if recipe.metrics.is_empty() {
         out.push(
             Diagnostic::new(root.key("metrics"), "no metrics")

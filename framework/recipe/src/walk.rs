@@ -60,7 +60,7 @@ impl<'a> Walker<'a> {
         }
         // Option<T> and unions: a TOML value is never null, so pick the non-null branch.
         if let Some(branches) = schema.get("anyOf").or_else(|| schema.get("oneOf")).and_then(Value::as_array) {
-            self.walk_union(schema, branches, value, path, out);
+            self.walk_union(branches, value, path, out);
             return;
         }
         if let Some(allowed) = schema.get("enum").and_then(Value::as_array) {
@@ -117,14 +117,7 @@ impl<'a> Walker<'a> {
         }
     }
 
-    fn walk_union(
-        &self,
-        schema: &'a Value,
-        branches: &'a [Value],
-        value: &mut Value,
-        path: &KeyPath,
-        out: &mut Vec<Diagnostic>,
-    ) {
+    fn walk_union(&self, branches: &'a [Value], value: &mut Value, path: &KeyPath, out: &mut Vec<Diagnostic>) {
         let branches: Vec<&Value> = branches
             .iter()
             .map(|b| self.resolve(b))
@@ -193,7 +186,6 @@ impl<'a> Walker<'a> {
                 best = Some(trial);
             }
         }
-        let _ = schema;
         out.extend(best.unwrap_or_default());
     }
 
