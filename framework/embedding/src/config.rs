@@ -11,15 +11,18 @@ pub enum PoolingMode {
     Mean,
 }
 
-/// How weight decay enters a row-wise Adagrad update (FBGEMM's `WeightDecayMode`).
+/// How weight decay enters a row-wise Adagrad update (FBGEMM's `WeightDecayMode`: `NONE`,
+/// `L2`, `DECOUPLE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WeightDecayMode {
     /// No weight decay.
     None,
-    /// `weight_decay * w` is added to the gradient before the update.
+    /// L2 regularisation: `weight_decay * w` is added to the row's gradient, so it also feeds
+    /// the Adagrad accumulator.
     L2,
-    /// The row is scaled by `1 - multiplier * weight_decay` (multiplier = the row's adaptive lr).
+    /// Decoupled weight decay: the row is scaled by `1 - lr * weight_decay` before the Adagrad
+    /// step, and the accumulator sees the plain gradient.
     Decoupled,
 }
 
@@ -39,23 +42,36 @@ pub enum SparseOptimizerConfig {
         /// Learning rate.
         lr: f32,
         /// Added to the square root of the accumulator.
-        #[serde(default = "default_eps")]
+        #[serde(default = "defaults::eps")]
         eps: f32,
         /// Weight decay factor.
-        #[serde(default)]
+        #[serde(default = "defaults::weight_decay")]
         weight_decay: f32,
         /// How weight decay is applied.
-        #[serde(default = "default_weight_decay_mode")]
+        #[serde(default = "defaults::weight_decay_mode")]
         weight_decay_mode: WeightDecayMode,
     },
 }
 
-fn default_eps() -> f32 {
-    1e-8
-}
+/// Defaults of the sparse optimizer keys, declared once (FBGEMM's
+/// `SplitTableBatchedEmbeddingBagsCodegen` defaults).
+pub mod defaults {
+    use super::WeightDecayMode;
 
-fn default_weight_decay_mode() -> WeightDecayMode {
-    WeightDecayMode::None
+    /// Default row-wise Adagrad `eps` (FBGEMM: `1.0e-8`).
+    pub fn eps() -> f32 {
+        1e-8
+    }
+
+    /// Default `weight_decay` (FBGEMM: `0.0`).
+    pub fn weight_decay() -> f32 {
+        0.0
+    }
+
+    /// Default `weight_decay_mode` (FBGEMM: `WeightDecayMode.NONE`).
+    pub fn weight_decay_mode() -> WeightDecayMode {
+        WeightDecayMode::None
+    }
 }
 
 impl SparseOptimizerConfig {
@@ -72,6 +88,21 @@ impl SparseOptimizerConfig {
             Self::Sgd { .. } => 0,
             Self::RowwiseAdagrad { .. } => 1,
         }
+    }
+
+    /// Checks the hyperparameters: every value finite, `lr >= 0`, `eps > 0` (a zero `eps`
+    /// divides by zero on a row whose accumulator is still 0) and `weight_decay >= 0`.
+    pub fn validate(&self) -> Result<(), String> {
+        fn check(name: &str, value: f32, ok: bool, rule: &str) -> Result<(), String> {
+            if value.is_finite() && ok { Ok(()) } else { Err(format!("sparse optimizer {name} = {value}: {rule}")) }
+        }
+        let lr = self.lr();
+        check("lr", lr, lr >= 0.0, "must be finite and >= 0")?;
+        if let Self::RowwiseAdagrad { eps, weight_decay, .. } = *self {
+            check("eps", eps, eps > 0.0, "must be finite and > 0")?;
+            check("weight_decay", weight_decay, weight_decay >= 0.0, "must be finite and >= 0")?;
+        }
+        Ok(())
     }
 }
 

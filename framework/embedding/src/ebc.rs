@@ -62,6 +62,7 @@ impl EmbeddingBagCollection {
         optimizer: SparseOptimizerConfig,
         seed: u64,
     ) -> Result<Self, EmbeddingError> {
+        optimizer.validate().map_err(EmbeddingError::Config)?;
         let mut names = HashSet::new();
         let mut feature_names = HashSet::new();
         let mut outputs = Vec::new();
@@ -139,6 +140,35 @@ impl EmbeddingBagCollection {
         }
         t.weights = weights;
         Ok(())
+    }
+
+    /// Replaces the row-wise optimizer state of table `name` (`rows * state_per_row` floats),
+    /// e.g. when restoring a checkpoint.
+    pub fn set_optimizer_state(&mut self, name: &str, state: Vec<f32>) -> Result<(), EmbeddingError> {
+        let t = self
+            .tables
+            .iter_mut()
+            .find(|t| t.config.name == name)
+            .ok_or_else(|| EmbeddingError::Config(format!("no table \"{name}\"")))?;
+        if state.len() != t.state.len() {
+            return Err(EmbeddingError::Shape(format!(
+                "optimizer state of table \"{name}\" holds {} floats, got {}",
+                t.state.len(),
+                state.len()
+            )));
+        }
+        t.state = state;
+        Ok(())
+    }
+
+    /// The table configurations, in construction order.
+    pub fn table_configs(&self) -> impl ExactSizeIterator<Item = &EmbeddingBagConfig> {
+        self.tables.iter().map(|t| &t.config)
+    }
+
+    /// The fused sparse optimizer.
+    pub fn optimizer(&self) -> &SparseOptimizerConfig {
+        &self.optimizer
     }
 
     fn check_ids(&self, kjt: &KeyedJaggedTensor, keys: &[usize]) -> Result<(), EmbeddingError> {
@@ -258,19 +288,23 @@ impl Table {
                     }
                 }
                 SparseOptimizerConfig::RowwiseAdagrad { lr, eps, weight_decay, weight_decay_mode } => {
-                    if weight_decay_mode == WeightDecayMode::L2 {
-                        for (g, w) in self.grad.iter_mut().zip(w.iter()) {
-                            *g += weight_decay * w;
-                        }
+                    // FBGEMM's exact_rowwise_adagrad (codegen/genscript/optimizers.py,
+                    // `rowwise_adagrad`): the L2 term enters the accumulator through the
+                    // gradient and the update through `correction`; decoupled decay only
+                    // through `correction`. The weight step always uses the plain gradient.
+                    let l2 = weight_decay_mode == WeightDecayMode::L2;
+                    let mut sum_sq = 0.0f32;
+                    for (&g, &w) in self.grad.iter().zip(w.iter()) {
+                        let g = if l2 { g + weight_decay * w } else { g };
+                        sum_sq += g * g;
                     }
-                    let mean_sq = self.grad.iter().map(|g| g * g).sum::<f32>() / dim as f32;
                     let s = &mut self.state[row as usize];
-                    *s += mean_sq;
+                    *s += sum_sq / dim as f32;
                     let multiplier = lr / (s.sqrt() + eps);
-                    let correction = if weight_decay_mode == WeightDecayMode::Decoupled {
-                        1.0 - multiplier * weight_decay
-                    } else {
-                        1.0
+                    let correction = match weight_decay_mode {
+                        WeightDecayMode::None => 1.0,
+                        WeightDecayMode::L2 => 1.0 - multiplier * weight_decay,
+                        WeightDecayMode::Decoupled => 1.0 - lr * weight_decay,
                     };
                     for (w, g) in w.iter_mut().zip(&self.grad) {
                         *w = correction * *w - multiplier * g;

@@ -8,8 +8,10 @@
 
 mod config;
 mod ebc;
+#[cfg(test)]
+mod tests;
 
-pub use config::{EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode};
+pub use config::{EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode, defaults};
 pub use ebc::EmbeddingBagCollection;
 
 /// Why an embedding operation failed.
@@ -29,7 +31,9 @@ pub enum EmbeddingError {
         available: String,
     },
     /// An id outside `0..rows`.
-    #[error("id {id} out of range for table \"{table}\" ({rows} rows): feature \"{feature}\", sample {sample}")]
+    #[error(
+        "id {id} out of range for table \"{table}\" ({rows} rows): feature \"{feature}\", bag {sample} (example {sample} of the batch)"
+    )]
     IdOutOfRange {
         /// The table.
         table: String,

@@ -146,7 +146,8 @@ fn run_steps(optimizer: SparseOptimizerConfig, weighted: bool, steps: usize) {
                         }
                         s64[t][r] += gr.iter().map(|g| g * g).sum::<f64>() / dim as f64;
                         let m = lr / (s64[t][r].sqrt() + eps);
-                        let c = if weight_decay_mode == WeightDecayMode::Decoupled { 1.0 - m * wd } else { 1.0 };
+                        // Decoupled decay scales by the base learning rate, not the adaptive one (FBGEMM).
+                        let c = if weight_decay_mode == WeightDecayMode::Decoupled { 1.0 - lr * wd } else { 1.0 };
                         row.iter_mut().zip(&gr).for_each(|(w, g)| *w = c * *w - m * g);
                     }
                 }
@@ -192,7 +193,8 @@ fn a_hand_computed_rowwise_adagrad_step() {
         vec![table("t", 2, 2, PoolingMode::Sum, &["f"])],
         SparseOptimizerConfig::RowwiseAdagrad {
             lr: 1.0,
-            eps: 0.0,
+            // eps must be > 0 (a row with a zero accumulator would divide by zero).
+            eps: 1e-8,
             weight_decay: 0.0,
             weight_decay_mode: WeightDecayMode::None,
         },

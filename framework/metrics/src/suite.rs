@@ -1,13 +1,16 @@
-//! Several metrics fed the same batches, and their reports.
+//! Several metrics fed the same batches, and their reports (console table, JSONL line).
 
 use std::collections::BTreeMap;
+use std::fmt;
 
-use serde::Serialize;
+use serde::de::{MapAccess, Visitor};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::{Metric, MetricError};
+use crate::{Metric, MetricError, validate_batch};
 
 /// Which split a report is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Split {
     /// Training batches.
@@ -16,41 +19,106 @@ pub enum Split {
     Eval,
 }
 
-/// Metric values at one step.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+impl Split {
+    /// The name written in reports (`train`, `eval`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Train => "train",
+            Self::Eval => "eval",
+        }
+    }
+}
+
+impl fmt::Display for Split {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Metric values at one step of one split: one line of `metrics.jsonl`.
+///
+/// Serialises as `{"step":100,"split":"eval","metrics":{"auc":0.74,"ne":0.91}}` (metrics
+/// sorted by name). A non-finite value (NE before any sample, for instance) is written as
+/// `null`, since JSON has no NaN, and read back as NaN.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MetricReport {
     /// Training step.
     pub step: u64,
     /// The split.
     pub split: Split,
     /// Values by name.
+    #[serde(serialize_with = "metrics_as_map", deserialize_with = "metrics_from_map")]
     pub metrics: BTreeMap<String, f64>,
 }
 
 impl MetricReport {
-    /// One JSON line (no trailing newline).
+    /// The value reported under `name`.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.metrics.get(name).copied()
+    }
+
+    /// One JSON line (no trailing newline) for `metrics.jsonl`.
     pub fn to_jsonl(&self) -> Result<String, MetricError> {
         Ok(serde_json::to_string(self)?)
     }
 
-    /// An aligned console table.
+    /// An aligned console table titled `<split> @ step <step>` (see [`render_table`]).
     pub fn to_table(&self) -> String {
-        let title = match self.split {
-            Split::Train => "train",
-            Split::Eval => "eval",
-        };
-        render_table(&format!("{title} @ step {}", self.step), &self.metrics)
+        render_table(&format!("{} @ step {}", self.split, self.step), &self.metrics)
     }
 }
 
-/// An aligned two-column table of metric values.
+impl fmt::Display for MetricReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_table())
+    }
+}
+
+/// An aligned two-column table of metric values: the title, a `metric  value` header, a
+/// rule, then one row per metric with names left-aligned and values right-aligned to six
+/// decimals (`nan` for a NaN). Every line ends with a newline.
 pub fn render_table(title: &str, metrics: &BTreeMap<String, f64>) -> String {
-    let width = metrics.keys().map(String::len).max().unwrap_or(0).max(6);
-    let mut out = format!("{title}\n{}\n", "-".repeat(width + 12));
-    for (k, v) in metrics {
-        out.push_str(&format!("{k:<width$}  {v:>10.6}\n"));
+    let values: Vec<String> = metrics.values().map(|&v| format_value(v)).collect();
+    let name_width = metrics.keys().map(String::len).chain(["metric".len()]).max().unwrap_or(0);
+    let value_width = values.iter().map(String::len).chain(["value".len()]).max().unwrap_or(0);
+    let mut out = format!("{title}\n");
+    out.push_str(&format!("  {:<name_width$}  {:>value_width$}\n", "metric", "value"));
+    out.push_str(&format!("  {}  {}\n", "-".repeat(name_width), "-".repeat(value_width)));
+    for (name, value) in metrics.keys().zip(&values) {
+        out.push_str(&format!("  {name:<name_width$}  {value:>value_width$}\n"));
     }
     out
+}
+
+fn format_value(v: f64) -> String {
+    if v.is_nan() { "nan".to_owned() } else { format!("{v:.6}") }
+}
+
+fn metrics_as_map<S: Serializer>(metrics: &BTreeMap<String, f64>, s: S) -> Result<S::Ok, S::Error> {
+    let mut map = s.serialize_map(Some(metrics.len()))?;
+    for (name, value) in metrics {
+        map.serialize_entry(name, &value.is_finite().then_some(*value))?;
+    }
+    map.end()
+}
+
+fn metrics_from_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, f64>, D::Error> {
+    struct NullableValues;
+    impl<'de> Visitor<'de> for NullableValues {
+        type Value = BTreeMap<String, f64>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a map from metric name to a number or null")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((name, value)) = access.next_entry::<String, Option<f64>>()? {
+                out.insert(name, value.unwrap_or(f64::NAN));
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_map(NullableValues)
 }
 
 /// Metrics fed the same batches.
@@ -59,30 +127,67 @@ pub struct MetricSuite {
     metrics: Vec<Box<dyn Metric>>,
 }
 
+impl fmt::Debug for MetricSuite {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MetricSuite").field("output_names", &self.output_names()).finish()
+    }
+}
+
 impl MetricSuite {
-    /// A suite of `metrics`; reported names must be unique.
+    /// A suite of `metrics`; every reported name must be unique across them.
     pub fn new(metrics: Vec<Box<dyn Metric>>) -> Result<Self, MetricError> {
-        let mut seen = std::collections::HashSet::new();
-        for name in metrics.iter().flat_map(|m| m.output_names()) {
-            if !seen.insert(name.clone()) {
-                return Err(MetricError::DuplicateName { name });
-            }
+        let mut suite = Self::default();
+        for m in metrics {
+            suite.push(m)?;
         }
-        Ok(Self { metrics })
+        Ok(suite)
     }
 
-    /// Feeds one batch to every metric (all or none: inputs are checked first).
+    /// Adds a metric; fails (leaving the suite unchanged) when one of its names is taken.
+    pub fn push(&mut self, metric: Box<dyn Metric>) -> Result<(), MetricError> {
+        let taken = self.output_names();
+        let names = metric.output_names();
+        for (i, name) in names.iter().enumerate() {
+            if taken.contains(name) || names[..i].contains(name) {
+                return Err(MetricError::DuplicateName { name: name.clone() });
+            }
+        }
+        self.metrics.push(metric);
+        Ok(())
+    }
+
+    /// The number of metrics.
+    pub fn len(&self) -> usize {
+        self.metrics.len()
+    }
+
+    /// Whether the suite holds no metric.
+    pub fn is_empty(&self) -> bool {
+        self.metrics.is_empty()
+    }
+
+    /// Every name the suite reports, in the order the metrics were added.
+    pub fn output_names(&self) -> Vec<String> {
+        self.metrics.iter().flat_map(|m| m.output_names()).collect()
+    }
+
+    /// Feeds one batch to every metric (all or none: the batch is checked first).
     pub fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
-        crate::validate_batch(predictions, labels, weights)?;
+        validate_batch(predictions, labels, weights)?;
         for m in &mut self.metrics {
             m.update(predictions, labels, weights)?;
         }
         Ok(())
     }
 
-    /// Every metric's values.
+    /// Every metric's values, in the order the metrics were added.
+    pub fn compute(&self) -> Vec<(String, f64)> {
+        self.metrics.iter().flat_map(|m| m.compute()).collect()
+    }
+
+    /// Every metric's values as a report for `step` on `split`.
     pub fn report(&self, step: u64, split: Split) -> MetricReport {
-        MetricReport { step, split, metrics: self.metrics.iter().flat_map(|m| m.compute()).collect() }
+        MetricReport { step, split, metrics: self.compute().into_iter().collect() }
     }
 
     /// Resets every metric.
@@ -96,14 +201,91 @@ mod tests {
     use super::*;
     use crate::{AucMetric, NeMetric};
 
+    fn suite() -> MetricSuite {
+        MetricSuite::new(vec![Box::new(NeMetric::new(true)), Box::new(AucMetric::new())]).unwrap()
+    }
+
     #[test]
-    fn suite_reports_table_and_jsonl() {
-        let mut s = MetricSuite::new(vec![Box::new(NeMetric::new(true)), Box::new(AucMetric::new())]).unwrap();
-        s.update(&[0.9, 0.8, 0.3, 0.1], &[1.0, 0.0, 1.0, 0.0], None).unwrap();
-        let r = s.report(10, Split::Eval);
-        assert_eq!(r.metrics.keys().collect::<Vec<_>>(), vec!["auc", "logloss", "ne"]);
-        assert!(r.to_jsonl().unwrap().starts_with("{\"step\":10,\"split\":\"eval\",\"metrics\":{\"auc\":0.75"));
-        assert!(r.to_table().lines().any(|l| l.starts_with("auc ") && l.ends_with(" 0.750000")));
-        assert!(MetricSuite::new(vec![Box::new(AucMetric::new()), Box::new(AucMetric::new())]).is_err());
+    fn suite_feeds_every_metric() {
+        let mut s = suite();
+        assert_eq!(s.len(), 2);
+        assert!(!s.is_empty());
+        assert_eq!(s.output_names(), ["ne", "logloss", "auc"]);
+        let (p, y) = ([0.9, 0.8, 0.7, 0.6], [1.0, 0.0, 1.0, 0.0]);
+        s.update(&p, &y, None).unwrap();
+        let mut ne = NeMetric::new(true);
+        ne.update(&p, &y, None).unwrap();
+        let r = s.report(100, Split::Eval);
+        assert_eq!(r.get("ne"), Some(ne.ne()));
+        assert_eq!(r.get("logloss"), Some(ne.logloss()));
+        assert_eq!(r.get("auc"), Some(0.75));
+        assert_eq!(r.get("missing"), None);
+        assert_eq!(s.compute().iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["ne", "logloss", "auc"]);
+        s.reset();
+        assert!(s.report(0, Split::Eval).metrics["ne"].is_nan());
+        assert_eq!(s.report(0, Split::Eval).metrics["auc"], 0.5);
+    }
+
+    #[test]
+    fn bad_batch_changes_nothing() {
+        let mut s = suite();
+        s.update(&[0.9, 0.1], &[1.0, 0.0], None).unwrap();
+        let before = s.compute();
+        assert!(s.update(&[0.5, 0.5], &[1.0], None).is_err());
+        assert!(s.update(&[0.5, 0.5], &[1.0, 0.0], Some(&[1.0, -1.0])).is_err());
+        assert_eq!(s.compute(), before);
+    }
+
+    #[test]
+    fn duplicate_names_are_rejected() {
+        assert!(matches!(
+            MetricSuite::new(vec![Box::new(AucMetric::new()), Box::new(AucMetric::new())]),
+            Err(MetricError::DuplicateName { ref name }) if name == "auc"
+        ));
+        let mut s = suite();
+        let err = s.push(Box::new(NeMetric::new(false))).unwrap_err();
+        assert!(matches!(err, MetricError::DuplicateName { ref name } if name == "ne"));
+        assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn jsonl_shape_and_round_trip() {
+        let report = MetricReport {
+            step: 7,
+            split: Split::Eval,
+            metrics: [("ne".to_owned(), 0.5), ("auc".to_owned(), 0.75), ("logloss".to_owned(), f64::NAN)]
+                .into_iter()
+                .collect(),
+        };
+        let line = report.to_jsonl().unwrap();
+        assert_eq!(line, r#"{"step":7,"split":"eval","metrics":{"auc":0.75,"logloss":null,"ne":0.5}}"#);
+        let back: MetricReport = serde_json::from_str(&line).unwrap();
+        assert_eq!((back.step, back.split), (7, Split::Eval));
+        assert_eq!((back.get("ne"), back.get("auc")), (Some(0.5), Some(0.75)));
+        assert!(back.get("logloss").unwrap().is_nan());
+        assert!(serde_json::from_str::<MetricReport>(r#"{"step":1,"split":"dev","metrics":{}}"#).is_err());
+        assert!(serde_json::from_str::<MetricReport>(r#"{"step":1,"split":"eval","metrics":{},"x":1}"#).is_err());
+    }
+
+    #[test]
+    fn table_is_aligned() {
+        let report = MetricReport {
+            step: 12,
+            split: Split::Train,
+            metrics: [("ne".to_owned(), 0.912345678), ("logloss".to_owned(), 12.5), ("auc".to_owned(), f64::NAN)]
+                .into_iter()
+                .collect(),
+        };
+        let expected = "\
+train @ step 12
+  metric       value
+  -------  ---------
+  auc            nan
+  logloss  12.500000
+  ne        0.912346
+";
+        assert_eq!(report.to_table(), expected);
+        assert_eq!(report.to_string(), expected);
+        assert_eq!(render_table("eval", &BTreeMap::new()), "eval\n  metric  value\n  ------  -----\n");
     }
 }
