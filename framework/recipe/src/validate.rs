@@ -182,7 +182,14 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
     }
 
     let opt = root.key("optimizer");
+    let before = out.len();
     positive_f64(&mut out, opt.key("sparse").key("lr"), recipe.optimizer.sparse.lr() as f64);
+    // The optimizer's own rules (eps, weight decay), found here rather than when the job is built.
+    if out.len() == before {
+        if let Err(message) = recipe.optimizer.sparse.validate() {
+            out.push(Diagnostic::new(opt.key("sparse"), message));
+        }
+    }
     positive_f64(&mut out, opt.key("dense").key("lr"), recipe.optimizer.dense.lr());
 
     let train = root.key("train");
