@@ -28,16 +28,27 @@ pub enum WeightDecayMode {
 
 /// The optimizer fused into the embedding backward: applied once per unique row per step,
 /// after the gradients of duplicate ids are summed; rows not in the batch are untouched.
+/// The formulas are FBGEMM's (`fbgemm_gpu/codegen/genscript/optimizers.py`), computed in
+/// fp32 with fp32 optimizer state whatever the weight precision.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum SparseOptimizerConfig {
-    /// Plain SGD: `w -= lr * g`.
+    /// Plain SGD (FBGEMM `EXACT_SGD`): `w -= lr * g`. No state.
     Sgd {
         /// Learning rate.
         lr: f32,
     },
-    /// FBGEMM's exact row-wise Adagrad: one accumulator per row, `s += mean(g^2)`,
-    /// `w -= lr / (sqrt(s) + eps) * g`.
+    /// Exact element-wise Adagrad (FBGEMM `EXACT_ADAGRAD`): `s += g^2`,
+    /// `w -= lr * g / (sqrt(s) + eps)`; one accumulator per weight.
+    Adagrad {
+        /// Learning rate.
+        lr: f32,
+        /// Added to the square root of the accumulator.
+        #[serde(default = "defaults::eps")]
+        eps: f32,
+    },
+    /// FBGEMM's exact row-wise Adagrad (`EXACT_ROWWISE_ADAGRAD`): one accumulator per row,
+    /// `s += mean(g^2)`, `w -= lr / (sqrt(s) + eps) * g`.
     RowwiseAdagrad {
         /// Learning rate.
         lr: f32,
@@ -51,6 +62,102 @@ pub enum SparseOptimizerConfig {
         #[serde(default = "defaults::weight_decay_mode")]
         weight_decay_mode: WeightDecayMode,
     },
+    /// Adam with FBGEMM's decoupled weight decay (`ADAM`): per weight `m = b1 m + (1-b1) g`,
+    /// `v = b2 v + (1-b2) g^2`, `w -= lr * (m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + wd * w)`,
+    /// `t` the step count. Two state values per weight.
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// Added to the square root of the second moment.
+        #[serde(default = "defaults::eps")]
+        eps: f32,
+        /// Decay of the first moment.
+        #[serde(default = "defaults::beta1")]
+        beta1: f32,
+        /// Decay of the second moment.
+        #[serde(default = "defaults::beta2")]
+        beta2: f32,
+        /// Decoupled weight decay factor.
+        #[serde(default = "defaults::weight_decay")]
+        weight_decay: f32,
+    },
+    /// Adam with a per-row second moment (FBGEMM `PARTIAL_ROWWISE_ADAM`):
+    /// `v = b2 v + (1-b2) mean(g^2)` per row, the first moment per weight. `dim + 1` state
+    /// values per row.
+    PartialRowwiseAdam {
+        /// Learning rate.
+        lr: f32,
+        /// Added to the square root of the second moment.
+        #[serde(default = "defaults::eps")]
+        eps: f32,
+        /// Decay of the first moment.
+        #[serde(default = "defaults::beta1")]
+        beta1: f32,
+        /// Decay of the second moment.
+        #[serde(default = "defaults::beta2")]
+        beta2: f32,
+        /// Decoupled weight decay factor.
+        #[serde(default = "defaults::weight_decay")]
+        weight_decay: f32,
+    },
+    /// LAMB (FBGEMM `LAMB`): the Adam direction `r = m_hat / (sqrt(v_hat) + eps) + wd * w`
+    /// scaled per row by the trust ratio `|w| / |r|`: `w -= lr * |w|/|r| * r`. A row whose
+    /// `|w|` or `|r|` is 0 uses ratio 1 (FBGEMM would write NaN there).
+    Lamb {
+        /// Learning rate.
+        lr: f32,
+        /// Added to the square root of the second moment.
+        #[serde(default = "defaults::eps")]
+        eps: f32,
+        /// Decay of the first moment.
+        #[serde(default = "defaults::beta1")]
+        beta1: f32,
+        /// Decay of the second moment.
+        #[serde(default = "defaults::beta2")]
+        beta2: f32,
+        /// Weight decay factor (inside the trust-ratio direction).
+        #[serde(default = "defaults::weight_decay")]
+        weight_decay: f32,
+    },
+}
+
+/// Storage precision of a table's weights. Lookups and updates compute in fp32; the
+/// optimizer state is always fp32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightPrecision {
+    /// 32-bit float.
+    #[default]
+    Fp32,
+    /// IEEE half precision (`SparseType.FP16`).
+    Fp16,
+    /// bfloat16 (`SparseType.BF16`).
+    Bf16,
+}
+
+impl WeightPrecision {
+    /// Bytes per stored weight.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::Fp32 => 4,
+            Self::Fp16 | Self::Bf16 => 2,
+        }
+    }
+}
+
+/// What a lookup does with an id outside `0..rows` (FBGEMM's `BoundsCheckMode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BoundsCheckMode {
+    /// Reject the batch with an error naming the table, feature, example and id; nothing is
+    /// changed.
+    #[default]
+    Fatal,
+    /// Count the bad ids, log a warning per batch, and read/update row 0 in their place (as
+    /// FBGEMM's `WARNING` mode rewrites them to 0).
+    Warning,
+    /// Like `warning` without counting or logging.
+    Ignore,
 }
 
 /// Defaults of the sparse optimizer keys, declared once (FBGEMM's
@@ -58,7 +165,7 @@ pub enum SparseOptimizerConfig {
 pub mod defaults {
     use super::WeightDecayMode;
 
-    /// Default row-wise Adagrad `eps` (FBGEMM: `1.0e-8`).
+    /// Default `eps` (FBGEMM: `1.0e-8`).
     pub fn eps() -> f32 {
         1e-8
     }
@@ -72,35 +179,81 @@ pub mod defaults {
     pub fn weight_decay_mode() -> WeightDecayMode {
         WeightDecayMode::None
     }
+
+    /// Default `beta1` (FBGEMM: `0.9`).
+    pub fn beta1() -> f32 {
+        0.9
+    }
+
+    /// Default `beta2` (FBGEMM: `0.999`).
+    pub fn beta2() -> f32 {
+        0.999
+    }
 }
 
 impl SparseOptimizerConfig {
     /// The learning rate.
     pub fn lr(&self) -> f32 {
         match self {
-            Self::Sgd { lr } | Self::RowwiseAdagrad { lr, .. } => *lr,
+            Self::Sgd { lr }
+            | Self::Adagrad { lr, .. }
+            | Self::RowwiseAdagrad { lr, .. }
+            | Self::Adam { lr, .. }
+            | Self::PartialRowwiseAdam { lr, .. }
+            | Self::Lamb { lr, .. } => *lr,
         }
     }
 
-    /// Optimizer state floats per row.
-    pub fn state_per_row(&self) -> usize {
+    /// The recipe name of the optimizer (`kind`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Sgd { .. } => "sgd",
+            Self::Adagrad { .. } => "adagrad",
+            Self::RowwiseAdagrad { .. } => "rowwise_adagrad",
+            Self::Adam { .. } => "adam",
+            Self::PartialRowwiseAdam { .. } => "partial_rowwise_adam",
+            Self::Lamb { .. } => "lamb",
+        }
+    }
+
+    /// Optimizer state floats per row of a `dim`-wide table.
+    pub fn state_per_row(&self, dim: usize) -> usize {
         match self {
             Self::Sgd { .. } => 0,
+            Self::Adagrad { .. } => dim,
             Self::RowwiseAdagrad { .. } => 1,
+            Self::Adam { .. } | Self::Lamb { .. } => 2 * dim,
+            Self::PartialRowwiseAdam { .. } => dim + 1,
         }
     }
 
     /// Checks the hyperparameters: every value finite, `lr >= 0`, `eps > 0` (a zero `eps`
-    /// divides by zero on a row whose accumulator is still 0) and `weight_decay >= 0`.
+    /// divides by zero on a row whose accumulator is still 0), `weight_decay >= 0` and
+    /// betas in `[0, 1)`.
     pub fn validate(&self) -> Result<(), String> {
         fn check(name: &str, value: f32, ok: bool, rule: &str) -> Result<(), String> {
             if value.is_finite() && ok { Ok(()) } else { Err(format!("sparse optimizer {name} = {value}: {rule}")) }
         }
         let lr = self.lr();
         check("lr", lr, lr >= 0.0, "must be finite and >= 0")?;
-        if let Self::RowwiseAdagrad { eps, weight_decay, .. } = *self {
-            check("eps", eps, eps > 0.0, "must be finite and > 0")?;
-            check("weight_decay", weight_decay, weight_decay >= 0.0, "must be finite and >= 0")?;
+        let eps_rule = "must be finite and > 0";
+        let wd_rule = "must be finite and >= 0";
+        match *self {
+            Self::Sgd { .. } => {}
+            Self::Adagrad { eps, .. } => check("eps", eps, eps > 0.0, eps_rule)?,
+            Self::RowwiseAdagrad { eps, weight_decay, .. } => {
+                check("eps", eps, eps > 0.0, eps_rule)?;
+                check("weight_decay", weight_decay, weight_decay >= 0.0, wd_rule)?;
+            }
+            Self::Adam { eps, beta1, beta2, weight_decay, .. }
+            | Self::PartialRowwiseAdam { eps, beta1, beta2, weight_decay, .. }
+            | Self::Lamb { eps, beta1, beta2, weight_decay, .. } => {
+                check("eps", eps, eps > 0.0, eps_rule)?;
+                check("weight_decay", weight_decay, weight_decay >= 0.0, wd_rule)?;
+                let beta_rule = "must be in [0, 1)";
+                check("beta1", beta1, (0.0..1.0).contains(&beta1), beta_rule)?;
+                check("beta2", beta2, (0.0..1.0).contains(&beta2), beta_rule)?;
+            }
         }
         Ok(())
     }
@@ -113,10 +266,44 @@ pub struct EmbeddingBagConfig {
     pub name: String,
     /// Rows.
     pub rows: u64,
-    /// Embedding dimension.
+    /// Embedding dimension (any value >= 1).
     pub dim: usize,
-    /// Pooling of each bag.
+    /// Pooling of each bag (ignored by the sequence [`crate::EmbeddingCollection`]).
     pub pooling: PoolingMode,
     /// Output feature names; `x@table` reads input feature `x`.
     pub features: Vec<String>,
+    /// Weight storage precision.
+    pub precision: WeightPrecision,
+    /// Round fp16/bf16 weight updates stochastically (unbiased) instead of to nearest.
+    pub stochastic_rounding: bool,
+    /// This table's own fused optimizer; `None` uses the collection's.
+    pub optimizer: Option<SparseOptimizerConfig>,
+}
+
+impl EmbeddingBagConfig {
+    /// An fp32 table using the collection's optimizer.
+    pub fn new(name: impl Into<String>, rows: u64, dim: usize, pooling: PoolingMode, features: &[&str]) -> Self {
+        Self {
+            name: name.into(),
+            rows,
+            dim,
+            pooling,
+            features: features.iter().map(|f| f.to_string()).collect(),
+            precision: WeightPrecision::Fp32,
+            stochastic_rounding: true,
+            optimizer: None,
+        }
+    }
+
+    /// The same table stored in `precision`.
+    pub fn with_precision(mut self, precision: WeightPrecision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// The same table with its own optimizer.
+    pub fn with_optimizer(mut self, optimizer: SparseOptimizerConfig) -> Self {
+        self.optimizer = Some(optimizer);
+        self
+    }
 }

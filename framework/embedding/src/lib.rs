@@ -1,18 +1,33 @@
 // Written by the lead engineer for the walking skeleton; helpers: extend, do not rewrite.
-//! Embedding tables: configuration vocabulary, the unsharded [`EmbeddingBagCollection`]
-//! (pooled lookups) and its backward fused with the sparse optimizer, with FBGEMM's update
-//! formulas.
+//! Embedding tables: configuration vocabulary, table-batched storage (fp32 / fp16 / bf16
+//! weights in huge-page backed buffers, fp32 optimizer state), the unsharded
+//! [`EmbeddingBagCollection`] (pooled lookups) and [`EmbeddingCollection`] (sequence
+//! lookups), position weighting, and the backward fused with the sparse optimizer (SGD,
+//! Adagrad, row-wise Adagrad, Adam, partial row-wise Adam, LAMB) with FBGEMM's formulas.
 //!
 //! Embedding weights are not autograd parameters: the dense model receives the pooled output
 //! as a leaf tensor and [`EmbeddingBagCollection::backward_and_update`] consumes its gradient.
 
+mod collection;
 mod config;
 mod ebc;
+mod ec;
+mod optim;
+mod position;
+mod precision;
+mod storage;
+mod tbe;
 #[cfg(test)]
 mod tests;
 
-pub use config::{EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode, defaults};
+pub use config::{
+    BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode, WeightPrecision,
+    defaults,
+};
 pub use ebc::EmbeddingBagCollection;
+pub use ec::{EmbeddingCollection, SequenceEmbeddings};
+pub use position::PositionWeightedModule;
+pub use precision::Weight;
 
 /// Why an embedding operation failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

@@ -6,17 +6,12 @@ use rand::{Rng, SeedableRng};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::{
-    EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig, WeightDecayMode,
+    BoundsCheckMode, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingError, PoolingMode,
+    PositionWeightedModule, SparseOptimizerConfig, WeightDecayMode, WeightPrecision,
 };
 
 fn table(name: &str, rows: u64, dim: usize, pooling: PoolingMode, features: &[&str]) -> EmbeddingBagConfig {
-    EmbeddingBagConfig {
-        name: name.into(),
-        rows,
-        dim,
-        pooling,
-        features: features.iter().map(|f| f.to_string()).collect(),
-    }
+    EmbeddingBagConfig::new(name, rows, dim, pooling, features)
 }
 
 fn kjt(
@@ -101,10 +96,10 @@ fn outputs_in_table_then_feature_order() {
     let row = |w: &[f32], dim: usize, id: usize| w[id * dim..(id + 1) * dim].to_vec();
     // Example 1: x = [3] in a and b, y = [1], z = [].
     let v = &out.values()[10..20];
-    assert_eq!(v[..3], row(a, 3, 3)[..]);
-    assert_eq!(v[3..6], row(a, 3, 1)[..]);
+    assert_eq!(v[..3], row(&a, 3, 3)[..]);
+    assert_eq!(v[3..6], row(&a, 3, 1)[..]);
     assert_eq!(v[6..8], [0.0, 0.0]);
-    assert_eq!(v[8..10], row(b, 2, 3)[..]);
+    assert_eq!(v[8..10], row(&b, 2, 3)[..]);
 }
 
 #[test]
@@ -164,7 +159,18 @@ fn invalid_configs_are_errors() {
             "feature \"f\" is in two tables",
         ),
         (vec![table("t", 4, 2, PoolingMode::Sum, &["f", "f"])], SGD, "feature \"f\" is in two tables"),
-        (vec![table("t", u64::MAX, 2, PoolingMode::Sum, &["f"])], SGD, "does not fit"),
+        (vec![table("t", u64::MAX, 2, PoolingMode::Sum, &["f"])], SGD, "at most 4294967295 rows per table"),
+        (vec![table("t", 1 << 31, 1 << 40, PoolingMode::Sum, &["f"])], SGD, "does not fit"),
+        (
+            vec![table("t", 4, 2, PoolingMode::Sum, &["f"]).with_optimizer(SparseOptimizerConfig::Adagrad { lr: 0.1, eps: -1.0 })],
+            SGD,
+            "table \"t\": sparse optimizer eps",
+        ),
+        (
+            vec![table("t", 4, 2, PoolingMode::Sum, &["f"])],
+            SparseOptimizerConfig::Adam { lr: 0.1, eps: 1e-8, beta1: 1.0, beta2: 0.9, weight_decay: 0.0 },
+            "beta1",
+        ),
         (vec![table("t", 4, 2, PoolingMode::Sum, &["f"])], SparseOptimizerConfig::Sgd { lr: f32::NAN }, "lr"),
         (vec![table("t", 4, 2, PoolingMode::Sum, &["f"])], SparseOptimizerConfig::Sgd { lr: -1.0 }, "lr"),
         (
@@ -322,11 +328,13 @@ struct RefTable {
     features: Vec<(String, usize)>,
     w: Vec<f64>,
     state: Vec<f64>,
+    spr: usize,
 }
 
 impl Reference {
     fn new(configs: &[EmbeddingBagConfig], ebc: &EmbeddingBagCollection) -> Self {
         let mut col = 0;
+        let opt = ebc.optimizer();
         let tables = configs
             .iter()
             .map(|c| {
@@ -344,7 +352,8 @@ impl Reference {
                     mean: c.pooling == PoolingMode::Mean,
                     features,
                     w: ebc.table_weights(&c.name).unwrap().iter().map(|&v| f64::from(v)).collect(),
-                    state: vec![0.0; c.rows as usize],
+                    state: vec![0.0; c.rows as usize * opt.state_per_row(c.dim)],
+                    spr: opt.state_per_row(c.dim),
                 }
             })
             .collect();
@@ -383,9 +392,9 @@ impl Reference {
         out
     }
 
-    fn step(&mut self, kjt: &KeyedJaggedTensor, grad: &[f32], opt: &SparseOptimizerConfig) {
+    fn step(&mut self, kjt: &KeyedJaggedTensor, grad: &[f32], opt: &SparseOptimizerConfig, t_step: u64) {
         for t in &mut self.tables {
-            let rows = t.state.len();
+            let rows = t.w.len() / t.dim;
             let mut g = vec![0.0f64; rows * t.dim];
             let mut touched = vec![false; rows];
             for (feature, col) in &t.features {
@@ -404,26 +413,80 @@ impl Reference {
             for r in (0..rows).filter(|&r| touched[r]) {
                 let w = &mut t.w[r * t.dim..(r + 1) * t.dim];
                 let g = &g[r * t.dim..(r + 1) * t.dim];
-                match *opt {
-                    SparseOptimizerConfig::Sgd { lr } => {
-                        for d in 0..t.dim {
-                            w[d] -= f64::from(lr) * g[d];
-                        }
-                    }
-                    SparseOptimizerConfig::RowwiseAdagrad { lr, eps, weight_decay, weight_decay_mode } => {
-                        let (lr, eps, wd) = (f64::from(lr), f64::from(eps), f64::from(weight_decay));
-                        let eff: Vec<f64> = match weight_decay_mode {
-                            WeightDecayMode::L2 => (0..t.dim).map(|d| g[d] + wd * w[d]).collect(),
-                            _ => g.to_vec(),
-                        };
-                        t.state[r] += eff.iter().map(|x| x * x).sum::<f64>() / t.dim as f64;
-                        let m = lr / (t.state[r].sqrt() + eps);
-                        let decay = if weight_decay_mode == WeightDecayMode::Decoupled { 1.0 - lr * wd } else { 1.0 };
-                        for d in 0..t.dim {
-                            w[d] = decay * w[d] - m * eff[d];
-                        }
-                    }
-                }
+                let st = &mut t.state[r * t.spr..(r + 1) * t.spr];
+                f64_update(opt, t_step, w, st, g);
+            }
+        }
+    }
+}
+
+/// FBGEMM's update formulas, in float64, for one row at step `t`.
+pub(crate) fn f64_update(opt: &SparseOptimizerConfig, t: u64, w: &mut [f64], st: &mut [f64], g: &[f64]) {
+    let dim = w.len();
+    let f = f64::from;
+    match *opt {
+        SparseOptimizerConfig::Sgd { lr } => {
+            for d in 0..dim {
+                w[d] -= f(lr) * g[d];
+            }
+        }
+        SparseOptimizerConfig::Adagrad { lr, eps } => {
+            for d in 0..dim {
+                st[d] += g[d] * g[d];
+                w[d] -= f(lr) * g[d] / (st[d].sqrt() + f(eps));
+            }
+        }
+        SparseOptimizerConfig::RowwiseAdagrad { lr, eps, weight_decay, weight_decay_mode } => {
+            let (lr, eps, wd) = (f(lr), f(eps), f(weight_decay));
+            let eff: Vec<f64> = match weight_decay_mode {
+                WeightDecayMode::L2 => (0..dim).map(|d| g[d] + wd * w[d]).collect(),
+                _ => g.to_vec(),
+            };
+            st[0] += eff.iter().map(|x| x * x).sum::<f64>() / dim as f64;
+            let m = lr / (st[0].sqrt() + eps);
+            let decay = match weight_decay_mode {
+                WeightDecayMode::Decoupled => 1.0 - lr * wd,
+                WeightDecayMode::L2 => 1.0 - m * wd,
+                WeightDecayMode::None => 1.0,
+            };
+            for d in 0..dim {
+                // L2 enters the accumulator and `decay`; the step uses the plain gradient.
+                w[d] = decay * w[d] - m * g[d];
+            }
+        }
+        SparseOptimizerConfig::Adam { lr, eps, beta1, beta2, weight_decay } => {
+            let (lr, eps, b1, b2, wd) = (f(lr), f(eps), f(beta1), f(beta2), f(weight_decay));
+            let (c1, c2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
+            for d in 0..dim {
+                st[d] = b1 * st[d] + (1.0 - b1) * g[d];
+                st[dim + d] = b2 * st[dim + d] + (1.0 - b2) * g[d] * g[d];
+                w[d] -= lr * (st[d] / c1 / ((st[dim + d] / c2).sqrt() + eps) + wd * w[d]);
+            }
+        }
+        SparseOptimizerConfig::PartialRowwiseAdam { lr, eps, beta1, beta2, weight_decay } => {
+            let (lr, eps, b1, b2, wd) = (f(lr), f(eps), f(beta1), f(beta2), f(weight_decay));
+            let (c1, c2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
+            st[0] = b2 * st[0] + (1.0 - b2) * g.iter().map(|x| x * x).sum::<f64>() / dim as f64;
+            let denom = (st[0] / c2).sqrt() + eps;
+            for d in 0..dim {
+                st[1 + d] = b1 * st[1 + d] + (1.0 - b1) * g[d];
+                w[d] -= lr * (st[1 + d] / c1 / denom + wd * w[d]);
+            }
+        }
+        SparseOptimizerConfig::Lamb { lr, eps, beta1, beta2, weight_decay } => {
+            let (lr, eps, b1, b2, wd) = (f(lr), f(eps), f(beta1), f(beta2), f(weight_decay));
+            let (c1, c2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
+            let mut r = vec![0.0; dim];
+            for d in 0..dim {
+                st[d] = b1 * st[d] + (1.0 - b1) * g[d];
+                st[dim + d] = b2 * st[dim + d] + (1.0 - b2) * g[d] * g[d];
+                r[d] = st[d] / c1 / ((st[dim + d] / c2).sqrt() + eps) + wd * w[d];
+            }
+            let wn = w.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let rn = r.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let ratio = if wn > 0.0 && rn > 0.0 { wn / rn } else { 1.0 };
+            for d in 0..dim {
+                w[d] -= lr * ratio * r[d];
             }
         }
     }
@@ -477,12 +540,10 @@ fn check_against_reference(opt: SparseOptimizerConfig, pooling: PoolingMode, wei
         assert_close(out.values(), &reference.forward(&input), &format!("forward step {step}"));
         let grad: Vec<f32> = (0..batch * reference.width).map(|_| rng.random_range(-1.0..1.0)).collect();
         ebc.backward_and_update(&input, &grad).unwrap();
-        reference.step(&input, &grad, &opt);
+        reference.step(&input, &grad, &opt, step + 1);
         for (c, t) in configs.iter().zip(&reference.tables) {
-            assert_close(ebc.table_weights(&c.name).unwrap(), &t.w, &format!("{} weights, step {step}", c.name));
-            if opt.state_per_row() == 1 {
-                assert_close(ebc.optimizer_state(&c.name).unwrap(), &t.state, &format!("{} state", c.name));
-            }
+            assert_close(&ebc.table_weights(&c.name).unwrap(), &t.w, &format!("{} weights, step {step}", c.name));
+            assert_close(&ebc.optimizer_state(&c.name).unwrap(), &t.state, &format!("{} state", c.name));
         }
     }
     // Rows never in a batch are bit-identical to their init, and their state is still 0.
@@ -490,9 +551,8 @@ fn check_against_reference(opt: SparseOptimizerConfig, pooling: PoolingMode, wei
     assert!(touched_big.iter().filter(|&&t| !t).count() > 900);
     for r in (0..1000).filter(|&r| !touched_big[r]) {
         assert_eq!(w[r * 2..r * 2 + 2], initial[2][r * 2..r * 2 + 2], "row {r} of big changed");
-        if opt.state_per_row() == 1 {
-            assert_eq!(ebc.optimizer_state("big").unwrap()[r], 0.0);
-        }
+        let spr = opt.state_per_row(2);
+        assert!(ebc.optimizer_state("big").unwrap()[r * spr..(r + 1) * spr].iter().all(|&s| s == 0.0));
     }
 }
 
@@ -515,6 +575,234 @@ fn rowwise_adagrad_matches_f64_reference() {
             }
         }
     }
+}
+
+fn adam_family() -> Vec<SparseOptimizerConfig> {
+    let (lr, eps, beta1, beta2) = (0.02, 1e-8, 0.9, 0.999);
+    let mut v = Vec::new();
+    for weight_decay in [0.0, 0.05] {
+        v.push(SparseOptimizerConfig::Adam { lr, eps, beta1, beta2, weight_decay });
+        v.push(SparseOptimizerConfig::PartialRowwiseAdam { lr, eps, beta1, beta2, weight_decay });
+        v.push(SparseOptimizerConfig::Lamb { lr, eps, beta1, beta2, weight_decay });
+    }
+    v
+}
+
+#[test]
+fn adagrad_matches_f64_reference() {
+    for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
+        for weighted in [false, true] {
+            check_against_reference(SparseOptimizerConfig::Adagrad { lr: 0.1, eps: 1e-8 }, pooling, weighted, 30);
+        }
+    }
+}
+
+#[test]
+fn adam_partial_rowwise_adam_and_lamb_match_f64_reference() {
+    for (i, opt) in adam_family().into_iter().enumerate() {
+        for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
+            check_against_reference(opt.clone(), pooling, i % 2 == 0, 40 + i as u64);
+        }
+    }
+}
+
+/// A batch big enough for the radix sort (3 passes over 2^22 rows would need more; this has
+/// 2) and for several update jobs per table.
+fn big_batch(seed: u64) -> (KeyedJaggedTensor, Vec<f32>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let input = random_kjt(&mut rng, &["x", "y", "z"], &[3000, 3000, 70_000], 4096, true);
+    let grad: Vec<f32> = (0..4096 * 24).map(|_| rng.random_range(-1.0..1.0)).collect();
+    (input, grad)
+}
+
+#[test]
+fn results_do_not_depend_on_thread_count() {
+    let configs = vec![
+        table("a", 3000, 8, PoolingMode::Sum, &["x", "y"]),
+        table("b", 70_000, 8, PoolingMode::Mean, &["z"]).with_precision(WeightPrecision::Bf16),
+    ];
+    let run = |threads: usize, opt: SparseOptimizerConfig| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let mut ebc = EmbeddingBagCollection::new(configs.clone(), opt, 5).unwrap();
+            let mut outs = Vec::new();
+            for step in 0..2 {
+                let (input, grad) = big_batch(step);
+                outs.push(ebc.forward(&input).unwrap().values().to_vec());
+                ebc.backward_and_update(&input, &grad).unwrap();
+            }
+            (outs, ebc.table_weights("a").unwrap(), ebc.table_weights("b").unwrap(), ebc.optimizer_state("b"))
+        })
+    };
+    for opt in [adagrad(0.1, 0.01, WeightDecayMode::L2), adam_family()[4].clone()] {
+        assert_eq!(run(1, opt.clone()), run(4, opt), "1 vs 4 threads");
+    }
+}
+
+#[test]
+fn large_batch_matches_f64_reference() {
+    // Many duplicates per row across 4096 bags: exercises the sort and the job split.
+    let opt = adagrad(0.05, 0.0, WeightDecayMode::None);
+    let configs = vec![table("a", 3000, 8, PoolingMode::Sum, &["x", "y"]), table("b", 70_000, 8, PoolingMode::Mean, &["z"])];
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    pool.install(|| {
+        let mut ebc = EmbeddingBagCollection::new(configs.clone(), opt.clone(), 1).unwrap();
+        let mut reference = Reference::new(&configs, &ebc);
+        let (input, grad) = big_batch(7);
+        assert_close(ebc.forward(&input).unwrap().values(), &reference.forward(&input), "forward");
+        ebc.backward_and_update(&input, &grad).unwrap();
+        reference.step(&input, &grad, &opt, 1);
+        for (c, t) in configs.iter().zip(&reference.tables) {
+            assert_close(&ebc.table_weights(&c.name).unwrap(), &t.w, &c.name);
+            assert_close(&ebc.optimizer_state(&c.name).unwrap(), &t.state, &c.name);
+        }
+    });
+}
+
+#[test]
+fn radix_sort_is_stable_and_sorted() {
+    use crate::tbe::{Occ, radix_sort_by_row};
+    let mut rng = StdRng::seed_from_u64(3);
+    for rows in [3u64, 2048, 1 << 22, u64::from(u32::MAX)] {
+        let mut v: Vec<Occ> = (0..5000)
+            .map(|i| Occ { row: rng.random_range(0..rows) as u32, src: i, scale: 1.0 })
+            .collect();
+        let mut expected = v.clone();
+        expected.sort_by_key(|o| o.row); // std's sort_by_key is stable
+        radix_sort_by_row(&mut v, &mut Vec::new(), rows);
+        assert_eq!(v, expected, "rows {rows}");
+    }
+}
+
+// ---------------------------------------------------------------- precisions
+
+#[test]
+fn half_precision_tables_round_their_weights_and_track_fp32() {
+    let opt = adagrad(0.05, 0.0, WeightDecayMode::None);
+    for precision in [WeightPrecision::Fp16, WeightPrecision::Bf16] {
+        for stochastic in [false, true] {
+            let mut cfg = table("t", 200, 8, PoolingMode::Sum, &["x"]).with_precision(precision);
+            cfg.stochastic_rounding = stochastic;
+            let mut low = EmbeddingBagCollection::new(vec![cfg], opt.clone(), 3).unwrap();
+            let mut full = EmbeddingBagCollection::new(vec![table("t", 200, 8, PoolingMode::Sum, &["x"])], opt.clone(), 3)
+                .unwrap();
+            // Same start: the fp32 table takes the rounded init.
+            let w0 = low.table_weights("t").unwrap();
+            for &w in &w0 {
+                let back = match precision {
+                    WeightPrecision::Fp16 => half::f16::from_f32(w).to_f32(),
+                    _ => half::bf16::from_f32(w).to_f32(),
+                };
+                assert_eq!(back, w, "stored weights are representable");
+            }
+            full.set_table_weights("t", w0.clone()).unwrap();
+            let mut rng = StdRng::seed_from_u64(4);
+            for _ in 0..5 {
+                let input = random_kjt(&mut rng, &["x"], &[200], 32, false);
+                let grad: Vec<f32> = (0..32 * 8).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let (a, b) = (low.forward(&input).unwrap(), full.forward(&input).unwrap());
+                let ulp = if precision == WeightPrecision::Fp16 { 2f32.powi(-10) } else { 2f32.powi(-7) };
+                for (x, y) in a.values().iter().zip(b.values()) {
+                    assert!((x - y).abs() <= 5.0 * 6.0 * ulp * y.abs().max(0.1), "{precision:?}: {x} vs {y}");
+                }
+                low.backward_and_update(&input, &grad).unwrap();
+                full.backward_and_update(&input, &grad).unwrap();
+            }
+            // State is fp32 and follows the fp32 run closely (it sees the same gradients).
+            let (sa, sb) = (low.optimizer_state("t").unwrap(), full.optimizer_state("t").unwrap());
+            assert_eq!(sa, sb, "row-wise Adagrad state depends only on gradients");
+        }
+    }
+}
+
+#[test]
+fn stochastic_rounding_keeps_small_updates_that_nearest_rounding_loses() {
+    // bf16 has 8 significant bits: an SGD step of 1e-4 on weights near 1 is below half an ulp
+    // (2^-8), so round-to-nearest never moves the weight while stochastic rounding moves it by
+    // the right amount on average.
+    let steps = 200;
+    let mut finals = Vec::new();
+    for stochastic in [false, true] {
+        let mut cfg = table("t", 64, 4, PoolingMode::Sum, &["x"]).with_precision(WeightPrecision::Bf16);
+        cfg.stochastic_rounding = stochastic;
+        let mut ebc = EmbeddingBagCollection::new(vec![cfg], SparseOptimizerConfig::Sgd { lr: 1e-4 }, 0).unwrap();
+        ebc.set_table_weights("t", vec![1.0; 256]).unwrap();
+        let input = kjt(&["x"], (0..64).collect(), None, vec![1; 64], 64);
+        for _ in 0..steps {
+            ebc.backward_and_update(&input, &[-1.0; 256]).unwrap();
+        }
+        let w = ebc.table_weights("t").unwrap();
+        finals.push(w.iter().map(|&x| f64::from(x)).sum::<f64>() / 256.0);
+    }
+    assert_eq!(finals[0], 1.0, "nearest rounding loses every step");
+    let expected = 1.0 + 1e-4 * steps as f64;
+    assert!((finals[1] - expected).abs() < 0.002, "stochastic mean {} vs {expected}", finals[1]);
+}
+
+// ---------------------------------------------------------------- bounds checks
+
+#[test]
+fn bounds_check_warning_and_ignore_read_row_zero_and_count() {
+    for mode in [BoundsCheckMode::Warning, BoundsCheckMode::Ignore] {
+        let mut ebc = small(PoolingMode::Sum);
+        ebc.set_bounds_check(mode);
+        let input = kjt(&["f"], vec![1, 9, -3], None, vec![3], 1);
+        let out = ebc.forward(&input).unwrap();
+        // Rows 1 + 0 + 0 = [3, 4] + 2 * [1, 2].
+        assert_eq!(out.values(), [5.0, 8.0]);
+        ebc.backward_and_update(&input, &[1.0, 1.0]).unwrap();
+        let w = ebc.table_weights("t").unwrap();
+        assert_eq!(w[..4], [1.0 - 0.25, 2.0 - 0.25, 3.0 - 0.125, 4.0 - 0.125], "row 0 took both bad ids");
+        let expected = if mode == BoundsCheckMode::Warning { 4 } else { 0 };
+        assert_eq!(ebc.bounds_violations(), expected, "{mode:?} counted forward and backward");
+    }
+}
+
+// ---------------------------------------------------------------- sequence and position weights
+
+#[test]
+fn sequence_collection_gathers_and_updates_per_id() {
+    let configs = vec![table("a", 4, 2, PoolingMode::Sum, &["x"]), table("b", 3, 3, PoolingMode::Sum, &["y"])];
+    let mut ec = EmbeddingCollection::new(configs, SGD, 0).unwrap();
+    ec.set_table_weights("a", vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]).unwrap();
+    ec.set_table_weights("b", (0..9).map(|v| v as f32).collect()).unwrap();
+    // x: [2, 0] [2]; y: [] [1]
+    let input = kjt(&["x", "y"], vec![2, 0, 2, 1], None, vec![2, 1, 0, 1], 2);
+    let out = ec.forward(&input).unwrap();
+    assert_eq!(out.keys, ["x", "y"]);
+    assert_eq!(out.dims, [2, 3]);
+    assert_eq!(out.values[0], [5.0, 6.0, 1.0, 2.0, 5.0, 6.0]);
+    assert_eq!(out.values[1], [3.0, 4.0, 5.0]);
+    assert_eq!(out.lengths, [vec![2, 1], vec![0, 1]]);
+    let grads = vec![vec![1.0, 0.0, 0.5, 0.5, 1.0, 2.0], vec![8.0, 8.0, 8.0]];
+    ec.backward_and_update(&input, &grads).unwrap();
+    // Row 2 of a got [1, 0] + [1, 2]; SGD lr 1/8.
+    assert_eq!(ec.table_weights("a").unwrap(), [1.0 - 0.0625, 2.0 - 0.0625, 3.0, 4.0, 4.75, 5.75, 7.0, 8.0]);
+    assert_eq!(ec.table_weights("b").unwrap(), [0.0, 1.0, 2.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0]);
+    assert!(matches!(ec.backward_and_update(&input, &grads[..1]), Err(EmbeddingError::Shape(_))));
+}
+
+#[test]
+fn position_weights_feed_a_weighted_ebc_and_get_gradients() {
+    let mut pw = PositionWeightedModule::new(&[("f", 3)]).unwrap();
+    pw.weights_mut("f").unwrap().copy_from_slice(&[1.0, 0.5, 0.25]);
+    let input = kjt(&["f"], vec![0, 1, 2, 3], None, vec![3, 1], 2);
+    let weighted = pw.apply(&input).unwrap();
+    assert_eq!(weighted.weights().unwrap(), [1.0, 0.5, 0.25, 1.0]);
+    let ebc = small(PoolingMode::Sum);
+    let out = ebc.forward(&weighted).unwrap();
+    // Bag 0: [1,2] + 0.5 [3,4] + 0.25 [5,6]; bag 1: [7, 8].
+    assert_eq!(out.values(), [3.75, 5.5, 7.0, 8.0]);
+    let grad = [1.0, 2.0, 0.5, 0.0];
+    let per_id = ebc.per_id_weight_grads(&weighted, &grad).unwrap();
+    // <grad of the bag, row of the id>: [1*1+2*2, 3+8, 5+12] and [0.5*7].
+    assert_eq!(per_id[0], [5.0, 11.0, 17.0, 3.5]);
+    let by_feature = [("f".to_string(), per_id[0].clone())].into_iter().collect();
+    let g = pw.grads(&input, &by_feature).unwrap();
+    assert_eq!(g["f"], [5.0 + 3.5, 11.0, 17.0]);
+    let long = kjt(&["f"], vec![0, 1, 2, 3], None, vec![4, 0], 2);
+    let err = pw.apply(&long).unwrap_err().to_string();
+    assert!(err.contains("feature \"f\", bag 0 has 4 ids"), "{err}");
 }
 
 #[test]

@@ -7,13 +7,7 @@ use trainrec_embedding::{
 use trainrec_sparse::KeyedJaggedTensor;
 
 fn table(name: &str, rows: u64, dim: usize, pooling: PoolingMode, features: &[&str]) -> EmbeddingBagConfig {
-    EmbeddingBagConfig {
-        name: name.into(),
-        rows,
-        dim,
-        pooling,
-        features: features.iter().map(|s| s.to_string()).collect(),
-    }
+    EmbeddingBagConfig::new(name, rows, dim, pooling, features)
 }
 
 /// Batch of 3: `a` and `b` both read table t0 (as a@t0, b); `c` reads t1 (mean pooling).
@@ -150,17 +144,18 @@ fn run_steps(optimizer: SparseOptimizerConfig, weighted: bool, steps: usize) {
                         let c = if weight_decay_mode == WeightDecayMode::Decoupled { 1.0 - lr * wd } else { 1.0 };
                         row.iter_mut().zip(&gr).for_each(|(w, g)| *w = c * *w - m * g);
                     }
+                    other => panic!("this oracle covers sgd and rowwise_adagrad (src/tests.rs covers {other:?})"),
                 }
             }
         }
     }
     for (t, cfg) in cfgs.iter().enumerate() {
         let got = ebc.table_weights(&cfg.name).unwrap();
-        for (i, (&want, &g)) in w64[t].iter().zip(got).enumerate() {
+        for (i, (&want, g)) in w64[t].iter().zip(got).enumerate() {
             close(want, g, &format!("{optimizer:?} table {} weight {i}", cfg.name));
         }
         if let SparseOptimizerConfig::RowwiseAdagrad { .. } = optimizer {
-            for (r, (&want, &g)) in s64[t].iter().zip(ebc.optimizer_state(&cfg.name).unwrap()).enumerate() {
+            for (r, (&want, g)) in s64[t].iter().zip(ebc.optimizer_state(&cfg.name).unwrap()).enumerate() {
                 close(want, g, &format!("state row {r}"));
             }
         }

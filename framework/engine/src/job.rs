@@ -85,12 +85,9 @@ impl Job {
         let tables = recipe
             .tables
             .iter()
-            .map(|t| EmbeddingBagConfig {
-                name: t.name.clone(),
-                rows: t.rows,
-                dim: t.dim,
-                pooling: t.pooling,
-                features: t.features.clone(),
+            .map(|t| {
+                let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
+                EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
             })
             .collect();
         let ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;

@@ -54,6 +54,10 @@ impl<'a> FeatureView<'a> {
             _ => &[],
         }
     }
+    /// Where bag `b` starts in [`Self::values`] (`values.len()` for `b == num_bags()`).
+    pub fn bag_start(&self, b: usize) -> usize {
+        self.offsets.get(b).map_or(self.values.len(), |&s| s - self.base)
+    }
     /// The weights of bag `b`, if weighted.
     pub fn bag_weights(&self, b: usize) -> Option<&'a [f32]> {
         let w = self.weights?;

@@ -1,0 +1,335 @@
+//! What the pooled and the sequence collections share: tables grouped into table-batched
+//! groups, outputs (one per feature), bounds checks, and the fused backward.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+use trainrec_sparse::KeyedJaggedTensor;
+
+use crate::tbe::{Occ, Tbe};
+use crate::{
+    BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig, WeightPrecision,
+};
+
+/// A group of tables in one precision.
+pub(crate) enum Group {
+    F32(Tbe<f32>),
+    F16(Tbe<f16>),
+    Bf16(Tbe<bf16>),
+}
+
+/// Runs `$e` with `$t` bound to the group's typed [`Tbe`].
+macro_rules! dispatch {
+    ($g:expr, $t:ident => $e:expr) => {
+        match $g {
+            $crate::collection::Group::F32($t) => $e,
+            $crate::collection::Group::F16($t) => $e,
+            $crate::collection::Group::Bf16($t) => $e,
+        }
+    };
+}
+pub(crate) use dispatch;
+
+/// A table and where it lives.
+pub(crate) struct TableInfo {
+    pub config: EmbeddingBagConfig,
+    pub optimizer: SparseOptimizerConfig,
+    pub group: usize,
+    pub local: usize,
+}
+
+/// One output: a feature looked up in a table.
+#[derive(Clone, Debug)]
+pub(crate) struct Output {
+    pub name: String,
+    pub input: String,
+    pub table: usize,
+    pub dim: usize,
+    /// First column in the pooled output (pooled collections).
+    pub column: usize,
+}
+
+pub(crate) struct Core {
+    pub tables: Vec<TableInfo>,
+    pub outputs: Vec<Output>,
+    pub groups: Vec<Group>,
+    pub optimizer: SparseOptimizerConfig,
+    pub bounds: BoundsCheckMode,
+    /// Ids outside their table seen so far (`warning` mode).
+    pub bad_ids: AtomicU64,
+    occ: Vec<Vec<Vec<Occ>>>,
+    tmp: Vec<Vec<Vec<Occ>>>,
+}
+
+#[derive(PartialEq)]
+struct GroupKey {
+    precision: WeightPrecision,
+    stochastic: bool,
+    optimizer: SparseOptimizerConfig,
+    pooling: Option<PoolingMode>,
+}
+
+impl Core {
+    /// Validates and builds the tables, initialised uniform in `±sqrt(1/rows)` (TorchRec's
+    /// default) deterministically from `seed`.
+    pub(crate) fn new(
+        configs: Vec<EmbeddingBagConfig>,
+        optimizer: SparseOptimizerConfig,
+        seed: u64,
+        pooled: bool,
+    ) -> Result<Self, EmbeddingError> {
+        optimizer.validate().map_err(EmbeddingError::Config)?;
+        let mut names = HashSet::new();
+        let mut feature_names = HashSet::new();
+        let mut outputs = Vec::new();
+        let mut column = 0;
+        let mut keys: Vec<GroupKey> = Vec::new();
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        let mut tables = Vec::with_capacity(configs.len());
+        for (t, config) in configs.into_iter().enumerate() {
+            if !names.insert(config.name.clone()) {
+                return Err(EmbeddingError::Config(format!("duplicate table name \"{}\"", config.name)));
+            }
+            if config.rows == 0 || config.dim == 0 {
+                return Err(EmbeddingError::Config(format!("table \"{}\" needs rows > 0 and dim > 0", config.name)));
+            }
+            if config.features.is_empty() {
+                return Err(EmbeddingError::Config(format!("table \"{}\" has no features", config.name)));
+            }
+            let opt = config.optimizer.clone().unwrap_or_else(|| optimizer.clone());
+            opt.validate().map_err(|e| EmbeddingError::Config(format!("table \"{}\": {e}", config.name)))?;
+            for f in &config.features {
+                if !feature_names.insert(f.clone()) {
+                    return Err(EmbeddingError::Config(format!(
+                        "feature \"{f}\" is in two tables; name it feature@table"
+                    )));
+                }
+                let input = f.split_once('@').map_or(f.as_str(), |(i, _)| i).to_string();
+                outputs.push(Output { name: f.clone(), input, table: t, dim: config.dim, column });
+                column += config.dim;
+            }
+            let key = GroupKey {
+                precision: config.precision,
+                stochastic: config.stochastic_rounding && config.precision != WeightPrecision::Fp32,
+                optimizer: opt.clone(),
+                pooling: pooled.then_some(config.pooling),
+            };
+            let group = match keys.iter().position(|k| *k == key) {
+                Some(g) => g,
+                None => {
+                    keys.push(key);
+                    members.push(Vec::new());
+                    keys.len() - 1
+                }
+            };
+            let local = members[group].len();
+            members[group].push(t);
+            tables.push(TableInfo { config, optimizer: opt, group, local });
+        }
+        let mut groups = Vec::with_capacity(keys.len());
+        for (g, key) in keys.iter().enumerate() {
+            let specs: Vec<(u64, usize, String)> = members[g]
+                .iter()
+                .map(|&t| (tables[t].config.rows, tables[t].config.dim, tables[t].config.name.clone()))
+                .collect();
+            let gseed = seed ^ 0x5851_F42D_4C95_7F2D_u64.wrapping_mul(g as u64 + 1);
+            let (opt, sr) = (key.optimizer.clone(), key.stochastic);
+            let mut group = match key.precision {
+                WeightPrecision::Fp32 => Group::F32(Tbe::new(&specs, opt, sr, gseed)?),
+                WeightPrecision::Fp16 => Group::F16(Tbe::new(&specs, opt, sr, gseed)?),
+                WeightPrecision::Bf16 => Group::Bf16(Tbe::new(&specs, opt, sr, gseed)?),
+            };
+            for (local, &t) in members[g].iter().enumerate() {
+                let bound = (1.0 / tables[t].config.rows as f64).sqrt() as f32;
+                let key = seed ^ 0xE3B0_C442_98FC_1C14u64.wrapping_mul(t as u64 + 1);
+                dispatch!(&mut group, tbe => tbe.init_uniform(local, bound, key));
+            }
+            groups.push(group);
+        }
+        let occ = members.iter().map(|m| vec![Vec::new(); m.len()]).collect::<Vec<_>>();
+        let tmp = occ.clone();
+        Ok(Self { tables, outputs, groups, optimizer, bounds: BoundsCheckMode::Fatal, bad_ids: AtomicU64::new(0), occ, tmp })
+    }
+
+    pub(crate) fn table_index(&self, name: &str) -> Option<usize> {
+        self.tables.iter().position(|t| t.config.name == name)
+    }
+
+    fn table_or_err(&self, name: &str) -> Result<usize, EmbeddingError> {
+        self.table_index(name).ok_or_else(|| EmbeddingError::Config(format!("no table \"{name}\"")))
+    }
+
+    pub(crate) fn weights(&self, name: &str) -> Option<Vec<f32>> {
+        let t = &self.tables[self.table_index(name)?];
+        Some(dispatch!(&self.groups[t.group], g => g.weights_f32(t.local)))
+    }
+
+    pub(crate) fn state(&self, name: &str) -> Option<Vec<f32>> {
+        let t = &self.tables[self.table_index(name)?];
+        Some(dispatch!(&self.groups[t.group], g => g.state(t.local).to_vec()))
+    }
+
+    pub(crate) fn set_weights(&mut self, name: &str, w: &[f32]) -> Result<(), EmbeddingError> {
+        let t = &self.tables[self.table_or_err(name)?];
+        let n = t.config.rows as usize * t.config.dim;
+        if w.len() != n {
+            return Err(EmbeddingError::Shape(format!("table \"{name}\" holds {n} floats, got {}", w.len())));
+        }
+        dispatch!(&mut self.groups[t.group], g => g.set_weights(t.local, w));
+        Ok(())
+    }
+
+    pub(crate) fn set_state(&mut self, name: &str, s: &[f32]) -> Result<(), EmbeddingError> {
+        let t = &self.tables[self.table_or_err(name)?];
+        let n = t.config.rows as usize * t.optimizer.state_per_row(t.config.dim);
+        if s.len() != n {
+            return Err(EmbeddingError::Shape(format!(
+                "optimizer state of table \"{name}\" holds {n} floats, got {}",
+                s.len()
+            )));
+        }
+        dispatch!(&mut self.groups[t.group], g => g.set_state(t.local, s));
+        Ok(())
+    }
+
+    /// Optimizer steps applied to table `name`'s group.
+    pub(crate) fn step_count(&self, name: &str) -> Option<u64> {
+        let t = &self.tables[self.table_index(name)?];
+        Some(dispatch!(&self.groups[t.group], g => g.iter))
+    }
+
+    /// Positions of the outputs' input features in `kjt`.
+    pub(crate) fn resolve(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<usize>, EmbeddingError> {
+        if kjt.variable_stride_per_key() {
+            return Err(EmbeddingError::Shape("variable-batch (VBE) input needs the sharded embedding path".into()));
+        }
+        self.outputs
+            .iter()
+            .map(|o| {
+                kjt.key_index(&o.input).ok_or_else(|| EmbeddingError::MissingFeature {
+                    feature: o.input.clone(),
+                    table: self.tables[o.table].config.name.clone(),
+                    available: kjt.keys().join(", "),
+                })
+            })
+            .collect()
+    }
+
+    /// Applies the bounds-check mode: `fatal` fails on the first bad id (nothing changed),
+    /// `warning` counts and logs, `ignore` does nothing (kernels read row 0 for bad ids).
+    pub(crate) fn check_ids(&self, kjt: &KeyedJaggedTensor, keys: &[usize]) -> Result<(), EmbeddingError> {
+        if self.bounds == BoundsCheckMode::Ignore {
+            return Ok(());
+        }
+        let found: Vec<Option<(usize, i64)>> = self
+            .outputs
+            .par_iter()
+            .zip(keys)
+            .map(|(o, &k)| {
+                let rows = self.tables[o.table].config.rows;
+                let f = kjt.feature(k);
+                match self.bounds {
+                    BoundsCheckMode::Fatal => {
+                        f.values.iter().position(|&id| id < 0 || id as u64 >= rows).map(|p| (p, f.values[p]))
+                    }
+                    _ => {
+                        let n = f.values.iter().filter(|&&id| id < 0 || id as u64 >= rows).count();
+                        (n > 0).then_some((n, 0))
+                    }
+                }
+            })
+            .collect();
+        if self.bounds == BoundsCheckMode::Fatal {
+            if let Some((o, (pos, id))) = found.iter().enumerate().find_map(|(o, f)| f.map(|f| (o, f))) {
+                let f = kjt.feature(keys[o]);
+                let sample = (0..f.num_bags()).take_while(|&b| f.bag_start(b + 1) <= pos).count();
+                let o = &self.outputs[o];
+                return Err(EmbeddingError::IdOutOfRange {
+                    table: self.tables[o.table].config.name.clone(),
+                    feature: o.input.clone(),
+                    sample,
+                    id,
+                    rows: self.tables[o.table].config.rows,
+                });
+            }
+        } else {
+            let bad: usize = found.iter().flatten().map(|&(n, _)| n).sum();
+            if bad > 0 {
+                let total = self.bad_ids.fetch_add(bad as u64, Ordering::Relaxed) + bad as u64;
+                let worst = found.iter().position(|f| f.is_some()).map(|o| &self.outputs[o]);
+                if let Some(o) = worst {
+                    tracing::warn!(
+                        bad_ids = bad,
+                        total,
+                        "{bad} ids out of range in this batch (first in feature \"{}\", table \"{}\", {} rows); \
+                         they read and update row 0",
+                        o.input,
+                        self.tables[o.table].config.name,
+                        self.tables[o.table].config.rows
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fused backward + optimizer: lists every id occurrence with `src(output, bag, position
+    /// in the feature's values)` into `grad`, scaled by its per-id weight (and 1/L when
+    /// `mean_of(output)`), then runs each group's update.
+    pub(crate) fn backward(
+        &mut self,
+        kjt: &KeyedJaggedTensor,
+        keys: &[usize],
+        grad: &[f32],
+        src: impl Fn(usize, usize, usize) -> usize + Sync,
+        mean_of: impl Fn(usize) -> bool + Sync,
+    ) -> Result<(), EmbeddingError> {
+        if grad.len() > u32::MAX as usize {
+            return Err(EmbeddingError::Shape(format!(
+                "a gradient of {} floats is over the kernel's {} limit: use smaller batches",
+                grad.len(),
+                u32::MAX
+            )));
+        }
+        let batch = kjt.stride();
+        let outputs = &self.outputs;
+        let tables = &self.tables;
+        let mut lists: Vec<(usize, usize, &mut Vec<Occ>)> = Vec::new();
+        for (g, group) in self.occ.iter_mut().enumerate() {
+            for (local, list) in group.iter_mut().enumerate() {
+                lists.push((g, local, list));
+            }
+        }
+        lists.into_par_iter().for_each(|(g, local, list)| {
+            list.clear();
+            for (oi, o) in outputs.iter().enumerate() {
+                let t = &tables[o.table];
+                if t.group != g || t.local != local {
+                    continue;
+                }
+                let rows = t.config.rows;
+                let f = kjt.feature(keys[oi]);
+                let mean = mean_of(oi);
+                for b in 0..batch {
+                    let (s, e) = (f.bag_start(b), f.bag_start(b + 1));
+                    let pool = if mean && e > s { 1.0 / (e - s) as f32 } else { 1.0 };
+                    for pos in s..e {
+                        let w = f.weights.map_or(1.0, |w| w[pos]);
+                        list.push(Occ {
+                            row: crate::tbe::clamp_row(f.values[pos], rows) as u32,
+                            src: src(oi, b, pos) as u32,
+                            scale: pool * w,
+                        });
+                    }
+                }
+            }
+        });
+        let threads = rayon::current_num_threads();
+        for ((group, occ), tmp) in self.groups.iter_mut().zip(&mut self.occ).zip(&mut self.tmp) {
+            dispatch!(group, g => g.update(occ, tmp, grad, threads));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,184 @@
+//! The fused optimizers' per-row update, in fp32 with FBGEMM's operation order.
+
+use crate::{SparseOptimizerConfig, WeightDecayMode};
+
+/// One step's optimizer with its step-dependent constants resolved.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Step {
+    opt: Kind,
+    lr: f32,
+    eps: f32,
+    weight_decay: f32,
+    beta1: f32,
+    beta2: f32,
+    /// `1 - beta1^t`.
+    c1: f32,
+    /// `1 - beta2^t`.
+    c2: f32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Sgd,
+    Adagrad,
+    Rowwise(WeightDecayMode),
+    Adam,
+    PartialRowwiseAdam,
+    Lamb,
+}
+
+impl Step {
+    /// The update of step `t` (1 for the first update).
+    pub(crate) fn new(config: &SparseOptimizerConfig, t: u64) -> Self {
+        use SparseOptimizerConfig as C;
+        let mut s = Step {
+            opt: Kind::Sgd,
+            lr: config.lr(),
+            eps: 0.0,
+            weight_decay: 0.0,
+            beta1: 0.0,
+            beta2: 0.0,
+            c1: 1.0,
+            c2: 1.0,
+        };
+        match *config {
+            C::Sgd { .. } => {}
+            C::Adagrad { eps, .. } => {
+                s.opt = Kind::Adagrad;
+                s.eps = eps;
+            }
+            C::RowwiseAdagrad { eps, weight_decay, weight_decay_mode, .. } => {
+                s.opt = Kind::Rowwise(weight_decay_mode);
+                s.eps = eps;
+                s.weight_decay = weight_decay;
+            }
+            C::Adam { eps, beta1, beta2, weight_decay, .. }
+            | C::PartialRowwiseAdam { eps, beta1, beta2, weight_decay, .. }
+            | C::Lamb { eps, beta1, beta2, weight_decay, .. } => {
+                s.opt = match config {
+                    C::Adam { .. } => Kind::Adam,
+                    C::PartialRowwiseAdam { .. } => Kind::PartialRowwiseAdam,
+                    _ => Kind::Lamb,
+                };
+                s.eps = eps;
+                s.beta1 = beta1;
+                s.beta2 = beta2;
+                s.weight_decay = weight_decay;
+                // FBGEMM: powf(beta, iter) in fp32 with the iteration as a float.
+                let t = t as f32;
+                s.c1 = 1.0 - beta1.powf(t);
+                s.c2 = 1.0 - beta2.powf(t);
+            }
+        }
+        s
+    }
+
+    /// Updates one row: `w` its weights (fp32), `state` its optimizer state
+    /// (`state_per_row(dim)` floats), `g` its summed gradient.
+    #[inline]
+    pub(crate) fn apply(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
+        let dim = w.len();
+        debug_assert_eq!(g.len(), dim);
+        let lr = self.lr;
+        match self.opt {
+            Kind::Sgd => {
+                for (w, &g) in w.iter_mut().zip(g) {
+                    *w -= lr * g;
+                }
+            }
+            Kind::Adagrad => {
+                let eps = self.eps;
+                for ((w, m), &g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
+                    *m += g * g;
+                    *w -= lr * g / (m.sqrt() + eps);
+                }
+            }
+            Kind::Rowwise(mode) => {
+                let wd = self.weight_decay;
+                let l2 = mode == WeightDecayMode::L2;
+                let mut sum_sq = 0.0f32;
+                if l2 {
+                    for (&g, &w) in g.iter().zip(w.iter()) {
+                        let g = g + wd * w;
+                        sum_sq += g * g;
+                    }
+                } else {
+                    for &g in g {
+                        sum_sq += g * g;
+                    }
+                }
+                let s = &mut state[0];
+                *s += sum_sq / dim as f32;
+                let multiplier = lr / (s.sqrt() + self.eps);
+                let correction = match mode {
+                    WeightDecayMode::None => 1.0,
+                    WeightDecayMode::L2 => 1.0 - multiplier * wd,
+                    WeightDecayMode::Decoupled => 1.0 - lr * wd,
+                };
+                if correction == 1.0 {
+                    for (w, &g) in w.iter_mut().zip(g) {
+                        *w -= multiplier * g;
+                    }
+                } else {
+                    for (w, &g) in w.iter_mut().zip(g) {
+                        *w = correction * *w - multiplier * g;
+                    }
+                }
+            }
+            Kind::Adam => {
+                let (m1, m2) = state.split_at_mut(dim);
+                let (b1, b2, c1, c2, eps, wd) = (self.beta1, self.beta2, self.c1, self.c2, self.eps, self.weight_decay);
+                for (((w, m), v), &g) in w.iter_mut().zip(m1.iter_mut()).zip(m2.iter_mut()).zip(g) {
+                    *m = *m * b1 + g * (1.0 - b1);
+                    *v = *v * b2 + g * g * (1.0 - b2);
+                    *w -= lr * (*m / c1 / ((*v / c2).sqrt() + eps) + wd * *w);
+                }
+            }
+            Kind::PartialRowwiseAdam => {
+                let (v, m1) = state.split_at_mut(1);
+                let (b1, b2, c1, c2, eps, wd) = (self.beta1, self.beta2, self.c1, self.c2, self.eps, self.weight_decay);
+                let mut sum_sq = 0.0f32;
+                for &g in g {
+                    sum_sq += g * g;
+                }
+                let v_t = sum_sq / dim as f32 * (1.0 - b2) + v[0] * b2;
+                v[0] = v_t;
+                let denom = (v_t / c2).sqrt() + eps;
+                for ((w, m), &g) in w.iter_mut().zip(m1.iter_mut()).zip(g) {
+                    *m = *m * b1 + g * (1.0 - b1);
+                    *w -= lr * (*m / c1 / denom + wd * *w);
+                }
+            }
+            Kind::Lamb => {
+                let (m1, m2) = state.split_at_mut(dim);
+                let (b1, b2, c1, c2, eps, wd) = (self.beta1, self.beta2, self.c1, self.c2, self.eps, self.weight_decay);
+                let mut weight_sq = 0.0f32;
+                let mut rtw_sq = 0.0f32;
+                // The direction r overwrites m2's slot only after m2 is updated, so keep it
+                // in a small stack buffer per 16 weights to stay allocation free.
+                let mut r = [0f32; 16];
+                // First pass: moments and norms.
+                for (((&w, m), v), &g) in w.iter().zip(m1.iter_mut()).zip(m2.iter_mut()).zip(g) {
+                    *m = b1 * *m + (1.0 - b1) * g;
+                    *v = b2 * *v + (1.0 - b2) * g * g;
+                    let rt = (*m / c1) / ((*v / c2).sqrt() + eps) + wd * w;
+                    weight_sq += w * w;
+                    rtw_sq += rt * rt;
+                }
+                let (wn, rn) = (weight_sq.sqrt(), rtw_sq.sqrt());
+                let ratio = if wn > 0.0 && rn > 0.0 { wn / rn } else { 1.0 };
+                let step = -lr * ratio;
+                // Second pass: recompute r from the updated moments (same fp32 ops, so the same
+                // values) and apply it.
+                for (((wc, mc), vc), _) in w.chunks_mut(16).zip(m1.chunks(16)).zip(m2.chunks(16)).zip(0..) {
+                    for (i, ((&m, &v), w)) in mc.iter().zip(vc).zip(wc.iter()).enumerate() {
+                        r[i] = (m / c1) / ((v / c2).sqrt() + eps) + wd * *w;
+                    }
+                    for (w, &r) in wc.iter_mut().zip(&r) {
+                        *w += step * r;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! Weight storage types: fp32, fp16 and bf16, with round-to-nearest-even and unbiased
+//! stochastic rounding from fp32.
+
+use half::{bf16, f16};
+
+/// A stored weight: plain old data that converts to and from `f32`.
+pub trait Weight: Copy + Send + Sync + PartialEq + std::fmt::Debug + 'static {
+    /// The stored value as `f32` (exact).
+    fn to_f32(self) -> f32;
+    /// `x` rounded to nearest, ties to even.
+    fn from_f32(x: f32) -> Self;
+    /// `x` rounded stochastically: to the representable neighbour above `|x|` with
+    /// probability proportional to its closeness, so the expected stored value is `x`.
+    /// `u` is a uniform 16-bit random number.
+    fn from_f32_stochastic(x: f32, u: u16) -> Self;
+    /// The slice itself when the storage is already fp32 (updates then run in place).
+    #[inline(always)]
+    fn as_f32_mut(_s: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+impl Weight for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn from_f32_stochastic(x: f32, _u: u16) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+}
+
+/// A 16-bit float whose positive values are ordered like their bit patterns (true of both
+/// IEEE half and bfloat16), so the neighbours of a value are one bit pattern apart.
+trait Half16: Copy {
+    fn rne(x: f32) -> Self;
+    fn bits(self) -> u16;
+    fn from_bits(bits: u16) -> Self;
+    fn widen(self) -> f32;
+}
+
+impl Half16 for f16 {
+    fn rne(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn from_bits(bits: u16) -> Self {
+        f16::from_bits(bits)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Half16 for bf16 {
+    fn rne(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn from_bits(bits: u16) -> Self {
+        bf16::from_bits(bits)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Stochastic rounding through the two neighbours of `x`.
+#[inline]
+fn stochastic<H: Half16>(x: f32, u: u16) -> H {
+    let nearest = H::rne(x);
+    let n = nearest.widen();
+    if n == x || !x.is_finite() {
+        return nearest;
+    }
+    // Magnitudes grow with the bit pattern (sign bit aside): step the pattern by one to get
+    // the other neighbour of |x|.
+    let (lo, hi) = if n.abs() < x.abs() {
+        (nearest, H::from_bits(nearest.bits() + 1))
+    } else if nearest.bits() & 0x7fff == 0 {
+        // |x| rounded to zero: the neighbour below is zero itself.
+        (nearest, nearest)
+    } else {
+        (H::from_bits(nearest.bits() - 1), nearest)
+    };
+    let (l, h) = (lo.widen().abs(), hi.widen().abs());
+    if !h.is_finite() || h == l {
+        return lo;
+    }
+    let p = (x.abs() - l) / (h - l);
+    let r = (f32::from(u) + 0.5) / 65536.0;
+    if r < p { hi } else { lo }
+}
+
+impl Weight for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline]
+    fn from_f32_stochastic(x: f32, u: u16) -> Self {
+        stochastic(x, u)
+    }
+}
+
+impl Weight for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline]
+    fn from_f32_stochastic(x: f32, u: u16) -> Self {
+        stochastic(x, u)
+    }
+}
+
+/// A cheap per-row stream of 16-bit uniforms (xorshift64*, seeded by splitmix64 of the row's
+/// key), so stochastic rounding is deterministic whatever the thread schedule.
+pub(crate) struct RowRng(u64);
+
+impl RowRng {
+    pub(crate) fn new(key: u64) -> Self {
+        let mut z = key.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Self((z ^ (z >> 31)) | 1)
+    }
+
+    #[inline]
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+/// Writes `src` into `dst`, rounding to nearest or stochastically.
+#[inline]
+pub(crate) fn store_row<T: Weight>(dst: &mut [T], src: &[f32], rng: Option<&mut RowRng>) {
+    match rng {
+        None => dst.iter_mut().zip(src).for_each(|(d, &s)| *d = T::from_f32(s)),
+        Some(rng) => {
+            for (d4, s4) in dst.chunks_mut(4).zip(src.chunks(4)) {
+                let bits = rng.next_u64();
+                for (i, (d, &s)) in d4.iter_mut().zip(s4).enumerate() {
+                    *d = T::from_f32_stochastic(s, (bits >> (16 * i)) as u16);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_matches_half_crate_and_is_exact_for_fp32() {
+        for x in [0.0f32, 1.0, -1.5, 3.14159, 1e-7, 65504.0, 1e30] {
+            assert_eq!(<f32 as Weight>::from_f32(x), x);
+            assert_eq!(<f16 as Weight>::from_f32(x), f16::from_f32(x));
+            assert_eq!(<bf16 as Weight>::from_f32(x), bf16::from_f32(x));
+        }
+    }
+
+    fn neighbours<T: Weight>(x: f32) -> (f32, f32) {
+        let mut lo = f32::INFINITY;
+        let mut hi = f32::NEG_INFINITY;
+        for u in (0..=u16::MAX).step_by(97) {
+            let v = T::from_f32_stochastic(x, u).to_f32();
+            lo = lo.min(v);
+            hi = hi.max(v);
+        }
+        (lo, hi)
+    }
+
+    #[test]
+    fn stochastic_rounding_is_unbiased_and_stays_on_the_two_neighbours() {
+        // 1 + 1/3 of an fp16 ulp (2^-10) above 1: P(up) = 1/3. Exact mean over every u.
+        let cases: [(f32, bool); 6] = [
+            (1.0 + 2f32.powi(-10) / 3.0, true),
+            (-(1.0 + 2f32.powi(-10) * 0.75), true),
+            (3.0e-6, true), // fp16 subnormal range
+            (1.0 + 2f32.powi(-7) * 0.2, false),
+            (-0.3, false),
+            (1.0e-40, false), // f32 subnormal, far below bf16's ulp there
+        ];
+        for (x, is_f16) in cases {
+            let mean: f64 = (0..=u16::MAX)
+                .map(|u| {
+                    if is_f16 {
+                        f64::from(<f16 as Weight>::from_f32_stochastic(x, u).to_f32())
+                    } else {
+                        f64::from(<bf16 as Weight>::from_f32_stochastic(x, u).to_f32())
+                    }
+                })
+                .sum::<f64>()
+                / 65536.0;
+            let (lo, hi) = if is_f16 { neighbours::<f16>(x) } else { neighbours::<bf16>(x) };
+            assert!(lo <= x && x <= hi, "{x}: neighbours {lo} {hi}");
+            let ulp = f64::from(hi - lo);
+            assert!((mean - f64::from(x)).abs() <= ulp / 65536.0 * 2.0 + 1e-45, "{x}: mean {mean}, ulp {ulp}");
+        }
+    }
+
+    #[test]
+    fn stochastic_rounding_of_representable_values_is_exact() {
+        for u in [0, 1, 40000, u16::MAX] {
+            assert_eq!(<f16 as Weight>::from_f32_stochastic(0.5, u).to_f32(), 0.5);
+            assert_eq!(<bf16 as Weight>::from_f32_stochastic(-2.0, u).to_f32(), -2.0);
+            assert_eq!(<f16 as Weight>::from_f32_stochastic(0.0, u).to_f32(), 0.0);
+        }
+    }
+}

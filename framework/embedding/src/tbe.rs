@@ -1,0 +1,361 @@
+//! Table-batched embedding storage and kernels: the tables of one group (same precision,
+//! optimizer and pooling) share one weight buffer and one optimizer-state buffer.
+//!
+//! Forward gathers rows with software prefetch a few ids ahead. Backward lists each id
+//! occurrence as (row, gradient source, scale), radix-sorts the list by row (stable, so the
+//! summation order, hence the result, does not depend on threads), and hands contiguous row
+//! ranges to threads: each unique row's gradient is summed once and the optimizer runs once
+//! per unique row, writing only rows present in the batch.
+
+use rayon::prelude::*;
+
+use crate::optim::Step;
+use crate::precision::{RowRng, Weight, store_row};
+use crate::storage::{HugeBuf, Pod};
+use crate::{EmbeddingError, SparseOptimizerConfig};
+
+/// One id occurrence in the backward: the (table-local) row it reads, where its upstream
+/// gradient starts in the gradient buffer, and the factor on that gradient (per-id weight
+/// times 1/L for mean pooling).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Occ {
+    pub row: u32,
+    pub src: u32,
+    pub scale: f32,
+}
+
+/// Placement of one table in its group's buffers.
+#[derive(Clone, Debug)]
+pub(crate) struct Slot {
+    pub rows: u64,
+    pub dim: usize,
+    /// First weight of the table in the group buffer.
+    pub w_off: usize,
+    /// First state value of the table in the group state buffer.
+    pub s_off: usize,
+    /// State values per row.
+    pub spr: usize,
+}
+
+/// The tables of one group.
+pub(crate) struct Tbe<T: Weight + Pod> {
+    pub slots: Vec<Slot>,
+    weights: HugeBuf<T>,
+    state: HugeBuf<f32>,
+    pub optimizer: SparseOptimizerConfig,
+    stochastic: bool,
+    seed: u64,
+    /// Updates applied so far (FBGEMM's `iter`).
+    pub iter: u64,
+}
+
+/// Issues a prefetch of the cache lines of `bytes` bytes at `p` (no-op off x86-64).
+#[inline(always)]
+fn prefetch<T>(p: *const T, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let p = p.cast::<i8>();
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch never faults or
+            // reads memory architecturally, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (p, bytes);
+    }
+}
+
+/// Ids ahead of the current one whose rows are prefetched.
+const PREFETCH: usize = 12;
+
+/// The row an id reads: ids outside `0..rows` read row 0 (FBGEMM's bounds-check `WARNING` /
+/// `IGNORE` rewrite; in `fatal` mode such a batch never reaches the kernels).
+#[inline(always)]
+pub(crate) fn clamp_row(id: i64, rows: u64) -> usize {
+    if (id as u64) < rows { id as usize } else { 0 }
+}
+
+impl<T: Weight + Pod> Tbe<T> {
+    /// Allocates the group: `tables` as (rows, dim), weights zeroed (see [`Self::init_uniform`]).
+    pub(crate) fn new(
+        tables: &[(u64, usize, String)],
+        optimizer: SparseOptimizerConfig,
+        stochastic: bool,
+        seed: u64,
+    ) -> Result<Self, EmbeddingError> {
+        let mut slots = Vec::with_capacity(tables.len());
+        let (mut w_off, mut s_off) = (0usize, 0usize);
+        for (rows, dim, name) in tables {
+            let too_big = || EmbeddingError::Config(format!("table \"{name}\" ({rows} x {dim}) does not fit in memory"));
+            if *rows > u64::from(u32::MAX) {
+                return Err(EmbeddingError::Config(format!(
+                    "table \"{name}\" has {rows} rows; the CPU kernels address at most {} rows per table: shard it \
+                     or lower rows",
+                    u32::MAX
+                )));
+            }
+            let spr = optimizer.state_per_row(*dim);
+            let n = (*rows as usize).checked_mul(*dim).ok_or_else(too_big)?;
+            let ns = (*rows as usize).checked_mul(spr).ok_or_else(too_big)?;
+            slots.push(Slot { rows: *rows, dim: *dim, w_off, s_off, spr });
+            w_off = w_off.checked_add(n).ok_or_else(too_big)?;
+            s_off = s_off.checked_add(ns).ok_or_else(too_big)?;
+        }
+        let weights = HugeBuf::zeroed(w_off, "embedding weights")?;
+        let state = HugeBuf::zeroed(s_off, "optimizer state")?;
+        Ok(Self { slots, weights, state, optimizer, stochastic: stochastic && size_of::<T>() < 4, seed, iter: 0 })
+    }
+
+    /// Fills table `t` uniform in `±bound`, deterministically from `key` (in parallel over
+    /// blocks of rows, each with its own seeded generator).
+    pub(crate) fn init_uniform(&mut self, t: usize, bound: f32, key: u64) {
+        use rand::rngs::StdRng;
+        use rand::{Rng, SeedableRng};
+        const BLOCK_ROWS: usize = 1 << 14;
+        let Slot { rows, dim, w_off, .. } = self.slots[t];
+        let w = &mut self.weights.as_mut_slice()[w_off..w_off + rows as usize * dim];
+        w.par_chunks_mut(BLOCK_ROWS * dim).enumerate().for_each(|(block, chunk)| {
+            let mut rng = StdRng::seed_from_u64(key ^ (block as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            chunk.iter_mut().for_each(|x| *x = T::from_f32(rng.random_range(-bound..=bound)));
+        });
+    }
+
+    /// Table `t`'s weights as fp32, `[rows, dim]` row-major.
+    pub(crate) fn weights_f32(&self, t: usize) -> Vec<f32> {
+        let s = &self.slots[t];
+        self.weights.as_slice()[s.w_off..s.w_off + s.rows as usize * s.dim].iter().map(|w| w.to_f32()).collect()
+    }
+
+    /// Table `t`'s optimizer state.
+    pub(crate) fn state(&self, t: usize) -> &[f32] {
+        let s = &self.slots[t];
+        &self.state.as_slice()[s.s_off..s.s_off + s.rows as usize * s.spr]
+    }
+
+    /// Replaces table `t`'s weights (rounded to nearest in the storage precision).
+    pub(crate) fn set_weights(&mut self, t: usize, w: &[f32]) {
+        let s = self.slots[t].clone();
+        let dst = &mut self.weights.as_mut_slice()[s.w_off..s.w_off + s.rows as usize * s.dim];
+        dst.iter_mut().zip(w).for_each(|(d, &x)| *d = T::from_f32(x));
+    }
+
+    /// Replaces table `t`'s optimizer state.
+    pub(crate) fn set_state(&mut self, t: usize, state: &[f32]) {
+        let s = self.slots[t].clone();
+        self.state.as_mut_slice()[s.s_off..s.s_off + s.rows as usize * s.spr].copy_from_slice(state);
+    }
+
+    /// Table `t`'s weights, stored precision.
+    #[inline]
+    pub(crate) fn table(&self, t: usize) -> &[T] {
+        let s = &self.slots[t];
+        &self.weights.as_slice()[s.w_off..s.w_off + s.rows as usize * s.dim]
+    }
+
+    /// Pools bags `b0..b0 + n` of one feature of table `t` into `out` (rows of `width` floats
+    /// starting at bag `b0`), columns `col..col + dim`, which must be zero.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pool(
+        &self,
+        t: usize,
+        values: &[i64],
+        starts: impl Fn(usize) -> usize,
+        weights: Option<&[f32]>,
+        b0: usize,
+        out: &mut [f32],
+        width: usize,
+        col: usize,
+        mean: bool,
+    ) {
+        let Slot { rows, dim, .. } = self.slots[t];
+        let table = self.table(t);
+        let row_bytes = dim * size_of::<T>();
+        let n = out.len() / width.max(1);
+        let end = starts(b0 + n);
+        let mut pos = starts(b0);
+        for local in 0..n {
+            let stop = starts(b0 + local + 1);
+            let dst = &mut out[local * width + col..][..dim];
+            let len = stop - pos;
+            while pos < stop {
+                if pos + PREFETCH < end {
+                    let r = clamp_row(values[pos + PREFETCH], rows);
+                    prefetch(table.as_ptr().wrapping_add(r * dim), row_bytes);
+                }
+                let r = clamp_row(values[pos], rows);
+                let src = &table[r * dim..][..dim];
+                match weights {
+                    None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s.to_f32()),
+                    Some(wt) => {
+                        let a = wt[pos];
+                        dst.iter_mut().zip(src).for_each(|(d, s)| *d += a * s.to_f32());
+                    }
+                }
+                pos += 1;
+            }
+            if mean && len > 0 {
+                let inv = 1.0 / len as f32;
+                dst.iter_mut().for_each(|d| *d *= inv);
+            }
+        }
+    }
+
+    /// Copies the rows of `ids` of table `t` into `out` (`ids.len() * dim` floats).
+    pub(crate) fn gather(&self, t: usize, ids: &[i64], out: &mut [f32]) {
+        let Slot { rows, dim, .. } = self.slots[t];
+        let table = self.table(t);
+        for (i, (dst, &id)) in out.chunks_exact_mut(dim).zip(ids).enumerate() {
+            if let Some(&ahead) = ids.get(i + PREFETCH) {
+                prefetch(table.as_ptr().wrapping_add(clamp_row(ahead, rows) * dim), dim * size_of::<T>());
+            }
+            let r = clamp_row(id, rows);
+            dst.iter_mut().zip(&table[r * dim..][..dim]).for_each(|(d, s)| *d = s.to_f32());
+        }
+    }
+
+    /// One optimizer step: `occ[t]` lists table `t`'s id occurrences (sorted here, `tmp[t]`
+    /// is scratch), `grad` the buffer their `src` offsets index.
+    pub(crate) fn update(&mut self, occ: &mut [Vec<Occ>], tmp: &mut [Vec<Occ>], grad: &[f32], threads: usize) {
+        self.iter += 1;
+        let step = Step::new(&self.optimizer, self.iter);
+        let slots = &self.slots;
+        occ.par_iter_mut().zip(tmp.par_iter_mut()).zip(slots.par_iter()).for_each(|((o, t), s)| {
+            radix_sort_by_row(o, t, s.rows);
+        });
+
+        // Split both buffers into per-table parts, then each table into jobs over
+        // contiguous row ranges, cut only where the row changes.
+        let mut jobs = Vec::new();
+        let mut w_rest = self.weights.as_mut_slice();
+        let mut s_rest = self.state.as_mut_slice();
+        let mut w_pos = 0;
+        let mut s_pos = 0;
+        for (t, (slot, list)) in slots.iter().zip(occ.iter()).enumerate() {
+            let (_, w) = std::mem::take(&mut w_rest).split_at_mut(slot.w_off - w_pos);
+            let (mut w_table, rest) = w.split_at_mut(slot.rows as usize * slot.dim);
+            w_rest = rest;
+            w_pos = slot.w_off + slot.rows as usize * slot.dim;
+            let (_, s) = std::mem::take(&mut s_rest).split_at_mut(slot.s_off - s_pos);
+            let (mut s_table, rest) = s.split_at_mut(slot.rows as usize * slot.spr);
+            s_rest = rest;
+            s_pos = slot.s_off + slot.rows as usize * slot.spr;
+
+            let target = (list.len() / (threads.max(1) * 4)).max(2048);
+            let mut start = 0;
+            let mut row_base = 0usize;
+            while start < list.len() {
+                let mut end = (start + target).min(list.len());
+                while end < list.len() && list[end].row == list[end - 1].row {
+                    end += 1;
+                }
+                let first = list[start].row as usize;
+                let last = list[end - 1].row as usize;
+                let (_, w) = std::mem::take(&mut w_table).split_at_mut((first - row_base) * slot.dim);
+                let (w_job, w_after) = w.split_at_mut((last + 1 - first) * slot.dim);
+                w_table = w_after;
+                let (_, s) = std::mem::take(&mut s_table).split_at_mut((first - row_base) * slot.spr);
+                let (s_job, s_after) = s.split_at_mut((last + 1 - first) * slot.spr);
+                s_table = s_after;
+                row_base = last + 1;
+                jobs.push(Job { table: t, occ: &list[start..end], w: w_job, s: s_job, first, dim: slot.dim, spr: slot.spr });
+                start = end;
+            }
+        }
+        let rng_key = self.stochastic.then(|| self.seed ^ self.iter.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        jobs.into_par_iter().for_each(|job| job.run(&step, grad, rng_key));
+    }
+}
+
+/// A contiguous row range of one table and the (sorted) occurrences that touch it.
+struct Job<'a, T> {
+    table: usize,
+    occ: &'a [Occ],
+    w: &'a mut [T],
+    s: &'a mut [f32],
+    first: usize,
+    dim: usize,
+    spr: usize,
+}
+
+impl<T: Weight + Pod> Job<'_, T> {
+    fn run(self, step: &Step, grad: &[f32], rng_key: Option<u64>) {
+        let Job { table, occ, w, s, first, dim, spr } = self;
+        let mut g = vec![0f32; dim];
+        let mut wf = vec![0f32; dim];
+        let row_bytes = dim * size_of::<T>();
+        let mut i = 0;
+        while i < occ.len() {
+            let row = occ[i].row;
+            let local = row as usize - first;
+            g.iter_mut().for_each(|x| *x = 0.0);
+            while i < occ.len() && occ[i].row == row {
+                if let Some(ahead) = occ.get(i + PREFETCH) {
+                    let l = ahead.row as usize - first;
+                    prefetch(w.as_ptr().wrapping_add(l * dim), row_bytes);
+                    prefetch(grad.as_ptr().wrapping_add(ahead.src as usize), dim * 4);
+                    if spr > 0 {
+                        prefetch(s.as_ptr().wrapping_add(l * spr), spr * 4);
+                    }
+                }
+                let o = occ[i];
+                let src = &grad[o.src as usize..][..dim];
+                if o.scale == 1.0 {
+                    g.iter_mut().zip(src).for_each(|(g, &x)| *g += x);
+                } else {
+                    g.iter_mut().zip(src).for_each(|(g, &x)| *g += o.scale * x);
+                }
+                i += 1;
+            }
+            let w_row = &mut w[local * dim..][..dim];
+            let s_row = &mut s[local * spr..][..spr];
+            match T::as_f32_mut(w_row) {
+                Some(w32) => step.apply(w32, s_row, &g),
+                None => {
+                    wf.iter_mut().zip(w_row.iter()).for_each(|(f, w)| *f = w.to_f32());
+                    step.apply(&mut wf, s_row, &g);
+                    let mut rng = rng_key.map(|k| RowRng::new(k ^ ((table as u64) << 40) ^ row as u64));
+                    store_row(w_row, &wf, rng.as_mut());
+                }
+            }
+        }
+    }
+}
+
+/// Stable LSD radix sort of `v` by row (11-bit digits; `rows` bounds the keys).
+pub(crate) fn radix_sort_by_row(v: &mut Vec<Occ>, tmp: &mut Vec<Occ>, rows: u64) {
+    if v.len() < 256 {
+        v.sort_by_key(|o| o.row);
+        return;
+    }
+    const BITS: u32 = 11;
+    const BUCKETS: usize = 1 << BITS;
+    let key_bits = 64 - rows.saturating_sub(1).leading_zeros();
+    let passes = key_bits.div_ceil(BITS).max(1);
+    tmp.clear();
+    tmp.resize(v.len(), Occ::default());
+    let mut counts = vec![0usize; BUCKETS];
+    for pass in 0..passes {
+        let shift = pass * BITS;
+        counts.iter_mut().for_each(|c| *c = 0);
+        for o in v.iter() {
+            counts[((o.row >> shift) as usize) & (BUCKETS - 1)] += 1;
+        }
+        let mut sum = 0;
+        for c in counts.iter_mut() {
+            let n = *c;
+            *c = sum;
+            sum += n;
+        }
+        for o in v.iter() {
+            let b = ((o.row >> shift) as usize) & (BUCKETS - 1);
+            tmp[counts[b]] = *o;
+            counts[b] += 1;
+        }
+        std::mem::swap(v, tmp);
+    }
+}
