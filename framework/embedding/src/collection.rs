@@ -9,9 +9,7 @@ use rayon::prelude::*;
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::tbe::{Occ, Tbe};
-use crate::{
-    BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig, WeightPrecision,
-};
+use crate::{BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig, WeightPrecision};
 
 /// A group of tables in one precision.
 pub(crate) enum Group {
@@ -150,7 +148,16 @@ impl Core {
         }
         let occ = members.iter().map(|m| vec![Vec::new(); m.len()]).collect::<Vec<_>>();
         let tmp = occ.clone();
-        Ok(Self { tables, outputs, groups, optimizer, bounds: BoundsCheckMode::Fatal, bad_ids: AtomicU64::new(0), occ, tmp })
+        Ok(Self {
+            tables,
+            outputs,
+            groups,
+            optimizer,
+            bounds: BoundsCheckMode::Fatal,
+            bad_ids: AtomicU64::new(0),
+            occ,
+            tmp,
+        })
     }
 
     pub(crate) fn table_index(&self, name: &str) -> Option<usize> {

@@ -8,6 +8,7 @@
 //! Embedding weights are not autograd parameters: the dense model receives the pooled output
 //! as a leaf tensor and [`EmbeddingBagCollection::backward_and_update`] consumes its gradient.
 
+pub mod bench;
 mod collection;
 mod config;
 mod ebc;
@@ -21,8 +22,7 @@ mod tbe;
 mod tests;
 
 pub use config::{
-    BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode, WeightPrecision,
-    defaults,
+    BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode, WeightPrecision, defaults,
 };
 pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};

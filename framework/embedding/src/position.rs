@@ -65,8 +65,14 @@ impl PositionWeightedModule {
             }
             start += f.values.len();
         }
-        KeyedJaggedTensor::new(kjt.keys().to_vec(), kjt.values().to_vec(), Some(out), kjt.lengths().to_vec(), kjt.stride())
-            .map_err(|e| EmbeddingError::Shape(e.to_string()))
+        KeyedJaggedTensor::new(
+            kjt.keys().to_vec(),
+            kjt.values().to_vec(),
+            Some(out),
+            kjt.lengths().to_vec(),
+            kjt.stride(),
+        )
+        .map_err(|e| EmbeddingError::Shape(e.to_string()))
     }
 
     /// Gradients of the position weights from the gradients of the per-id weights

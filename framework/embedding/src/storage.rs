@@ -34,9 +34,8 @@ impl<T: Pod> HugeBuf<T> {
             return Ok(Self { map: None, len, _t: PhantomData });
         }
         let bytes = len.checked_mul(size_of::<T>()).ok_or_else(|| too_big(what, usize::MAX))?;
-        let map = MmapMut::map_anon(bytes).map_err(|e| {
-            EmbeddingError::Config(format!("cannot allocate {bytes} bytes for {what}: {e}"))
-        })?;
+        let map = MmapMut::map_anon(bytes)
+            .map_err(|e| EmbeddingError::Config(format!("cannot allocate {bytes} bytes for {what}: {e}")))?;
         #[cfg(target_os = "linux")]
         {
             // Advisory: without THP support the mapping simply keeps 4 KiB pages.

@@ -162,7 +162,10 @@ fn invalid_configs_are_errors() {
         (vec![table("t", u64::MAX, 2, PoolingMode::Sum, &["f"])], SGD, "at most 4294967295 rows per table"),
         (vec![table("t", 1 << 31, 1 << 40, PoolingMode::Sum, &["f"])], SGD, "does not fit"),
         (
-            vec![table("t", 4, 2, PoolingMode::Sum, &["f"]).with_optimizer(SparseOptimizerConfig::Adagrad { lr: 0.1, eps: -1.0 })],
+            vec![
+                table("t", 4, 2, PoolingMode::Sum, &["f"])
+                    .with_optimizer(SparseOptimizerConfig::Adagrad { lr: 0.1, eps: -1.0 }),
+            ],
             SGD,
             "table \"t\": sparse optimizer eps",
         ),
@@ -643,7 +646,8 @@ fn results_do_not_depend_on_thread_count() {
 fn large_batch_matches_f64_reference() {
     // Many duplicates per row across 4096 bags: exercises the sort and the job split.
     let opt = adagrad(0.05, 0.0, WeightDecayMode::None);
-    let configs = vec![table("a", 3000, 8, PoolingMode::Sum, &["x", "y"]), table("b", 70_000, 8, PoolingMode::Mean, &["z"])];
+    let configs =
+        vec![table("a", 3000, 8, PoolingMode::Sum, &["x", "y"]), table("b", 70_000, 8, PoolingMode::Mean, &["z"])];
     let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     pool.install(|| {
         let mut ebc = EmbeddingBagCollection::new(configs.clone(), opt.clone(), 1).unwrap();
@@ -664,9 +668,8 @@ fn radix_sort_is_stable_and_sorted() {
     use crate::tbe::{Occ, radix_sort_by_row};
     let mut rng = StdRng::seed_from_u64(3);
     for rows in [3u64, 2048, 1 << 22, u64::from(u32::MAX)] {
-        let mut v: Vec<Occ> = (0..5000)
-            .map(|i| Occ { row: rng.random_range(0..rows) as u32, src: i, scale: 1.0 })
-            .collect();
+        let mut v: Vec<Occ> =
+            (0..5000).map(|i| Occ { row: rng.random_range(0..rows) as u32, src: i, scale: 1.0 }).collect();
         let mut expected = v.clone();
         expected.sort_by_key(|o| o.row); // std's sort_by_key is stable
         radix_sort_by_row(&mut v, &mut Vec::new(), rows);
@@ -684,8 +687,9 @@ fn half_precision_tables_round_their_weights_and_track_fp32() {
             let mut cfg = table("t", 200, 8, PoolingMode::Sum, &["x"]).with_precision(precision);
             cfg.stochastic_rounding = stochastic;
             let mut low = EmbeddingBagCollection::new(vec![cfg], opt.clone(), 3).unwrap();
-            let mut full = EmbeddingBagCollection::new(vec![table("t", 200, 8, PoolingMode::Sum, &["x"])], opt.clone(), 3)
-                .unwrap();
+            let mut full =
+                EmbeddingBagCollection::new(vec![table("t", 200, 8, PoolingMode::Sum, &["x"])], opt.clone(), 3)
+                    .unwrap();
             // Same start: the fp32 table takes the rounded init.
             let w0 = low.table_weights("t").unwrap();
             for &w in &w0 {

@@ -62,6 +62,135 @@ pub enum Command {
     },
     /// Print the recipe reference (Markdown) generated from the schema.
     Reference,
+    /// Benchmarks; each prints one JSON line on stdout (logs on stderr).
+    Bench {
+        /// Which benchmark.
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+/// The benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// W1: pooled EBC train step (forward + fused backward/update), the flags of
+    /// `bench/anchors/w1_ebc_train.py`.
+    Ebc(EbcArgs),
+}
+
+/// Id distribution of `bench ebc`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum DistArg {
+    /// Uniform over the rows.
+    Uniform,
+    /// Bounded Zipf(`--alpha`) over ranks, mapped to rows by a random permutation per table.
+    Zipf,
+}
+
+/// Fused optimizer of `bench ebc`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum OptimizerArg {
+    /// SGD.
+    Sgd,
+    /// Exact element-wise Adagrad.
+    Adagrad,
+    /// Exact row-wise Adagrad (the anchor's optimizer).
+    RowwiseAdagrad,
+    /// Adam.
+    Adam,
+    /// Partial row-wise Adam.
+    PartialRowwiseAdam,
+    /// LAMB.
+    Lamb,
+}
+
+/// Flags of `trainrec bench ebc`.
+#[derive(Debug, clap::Args)]
+pub struct EbcArgs {
+    /// Tables, one sum-pooled feature each.
+    #[arg(long, default_value_t = 8)]
+    pub tables: usize,
+    /// Rows per table.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    /// Embedding dim.
+    #[arg(long, default_value_t = 64)]
+    pub dim: usize,
+    /// Ids per sample per feature.
+    #[arg(long, default_value_t = 20)]
+    pub pooling: usize,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 4096)]
+    pub batch: usize,
+    /// Id distribution.
+    #[arg(long, value_enum, default_value_t = DistArg::Uniform)]
+    pub dist: DistArg,
+    /// Zipf exponent.
+    #[arg(long, default_value_t = 1.05)]
+    pub alpha: f64,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Extra timed forward-only calls (0 = skip).
+    #[arg(long, default_value_t = 10)]
+    pub fwd_steps: usize,
+    /// Distinct pre-generated batches, cycled through.
+    #[arg(long, default_value_t = 4)]
+    pub num_batches: usize,
+    /// Fused optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::RowwiseAdagrad)]
+    pub optimizer: OptimizerArg,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.01)]
+    pub lr: f32,
+    /// Optimizer eps.
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f32,
+    /// Threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl EbcArgs {
+    fn bench(&self) -> trainrec_embedding::bench::EbcBench {
+        use trainrec_embedding::{SparseOptimizerConfig as O, WeightDecayMode, defaults};
+        let (lr, eps) = (self.lr, self.eps);
+        let (beta1, beta2, weight_decay) = (defaults::beta1(), defaults::beta2(), 0.0);
+        let optimizer = match self.optimizer {
+            OptimizerArg::Sgd => O::Sgd { lr },
+            OptimizerArg::Adagrad => O::Adagrad { lr, eps },
+            OptimizerArg::RowwiseAdagrad => {
+                O::RowwiseAdagrad { lr, eps, weight_decay, weight_decay_mode: WeightDecayMode::None }
+            }
+            OptimizerArg::Adam => O::Adam { lr, eps, beta1, beta2, weight_decay },
+            OptimizerArg::PartialRowwiseAdam => O::PartialRowwiseAdam { lr, eps, beta1, beta2, weight_decay },
+            OptimizerArg::Lamb => O::Lamb { lr, eps, beta1, beta2, weight_decay },
+        };
+        trainrec_embedding::bench::EbcBench {
+            tables: self.tables,
+            rows: self.rows,
+            dim: self.dim,
+            pooling: self.pooling,
+            batch: self.batch,
+            dist: match self.dist {
+                DistArg::Uniform => trainrec_embedding::bench::IdDist::Uniform,
+                DistArg::Zipf => trainrec_embedding::bench::IdDist::Zipf(self.alpha),
+            },
+            steps: self.steps,
+            warmup: self.warmup,
+            fwd_steps: self.fwd_steps,
+            num_batches: self.num_batches,
+            optimizer,
+            threads: self.threads,
+            seed: self.seed,
+        }
+    }
 }
 
 fn init_tracing(level: Option<&str>) {
@@ -89,6 +218,16 @@ pub fn main_with(registry: Registry) -> ExitCode {
             print!("{}", trainrec_engine::reference::recipe_reference(&registry));
             ExitCode::SUCCESS
         }
+        Command::Bench { which: BenchCommand::Ebc(args) } => match trainrec_embedding::bench::run(&args.bench()) {
+            Ok(result) => {
+                println!("{result}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
     }
 }
 

@@ -1,0 +1,251 @@
+//! The W1 embedding benchmark (`trainrec bench ebc`): the same workload, flags and JSON
+//! fields as `bench/anchors/w1_ebc_train.py`, so both can run side by side.
+//!
+//! One step = pooled forward of `tables` sum-pooled tables (one feature each, exactly
+//! `pooling` ids per bag) + fused backward/update with a fixed random gradient.
+
+use std::time::Instant;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+use serde_json::{Value, json};
+use trainrec_sparse::KeyedJaggedTensor;
+
+use crate::{EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig};
+
+/// How ids are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum IdDist {
+    /// Uniform over the rows.
+    Uniform,
+    /// Bounded Zipf over ranks `1..=rows` with exponent `alpha`, ranks mapped to rows by a
+    /// fixed random permutation per table.
+    Zipf(f64),
+}
+
+/// The benchmark's parameters (flags of `w1_ebc_train.py`).
+#[derive(Clone, Debug)]
+pub struct EbcBench {
+    /// Tables (one feature each).
+    pub tables: usize,
+    /// Rows per table.
+    pub rows: u64,
+    /// Embedding dim.
+    pub dim: usize,
+    /// Ids per bag.
+    pub pooling: usize,
+    /// Bags per feature.
+    pub batch: usize,
+    /// Id distribution.
+    pub dist: IdDist,
+    /// Timed steps.
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    pub warmup: usize,
+    /// Timed forward-only calls (0 skips them).
+    pub fwd_steps: usize,
+    /// Distinct pre-generated batches, cycled through.
+    pub num_batches: usize,
+    /// The fused optimizer.
+    pub optimizer: SparseOptimizerConfig,
+    /// Worker threads (0 = all cores).
+    pub threads: usize,
+    /// Seed of ids, gradient and weights.
+    pub seed: u64,
+}
+
+/// Busy core-seconds of the whole machine and of this process (Linux `/proc`), to report
+/// how many cores other processes kept busy during the timed window.
+fn cpu_snapshot() -> Option<(Instant, f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let v: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let busy = v.iter().sum::<f64>() - v.get(3)? - v.get(4)?;
+    let me = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = me.rsplit_once(')')?.1.split_whitespace().collect();
+    let own = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // USER_HZ is 100 on every Linux configuration in practice.
+    Some((Instant::now(), busy / 100.0, own / 100.0))
+}
+
+fn others_busy(a: Option<(Instant, f64, f64)>, b: Option<(Instant, f64, f64)>) -> Value {
+    match (a, b) {
+        (Some((t0, b0, s0)), Some((t1, b1, s1))) => {
+            let wall = (t1 - t0).as_secs_f64().max(1e-9);
+            json!((((b1 - b0) - (s1 - s0)).max(0.0) / wall * 1000.0).round() / 1000.0)
+        }
+        _ => Value::Null,
+    }
+}
+
+fn summarize(ts: &[f64]) -> Value {
+    let mut s = ts.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    let median = if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 };
+    json!({"median_s": median, "min_s": s[0], "max_s": s[n - 1], "n": n})
+}
+
+fn rate(ts: &[f64], per_step: f64) -> Value {
+    let s = summarize(ts);
+    json!({
+        "median": per_step / s["median_s"].as_f64().unwrap_or(f64::NAN),
+        "best": per_step / s["min_s"].as_f64().unwrap_or(f64::NAN),
+        "worst": per_step / s["max_s"].as_f64().unwrap_or(f64::NAN),
+    })
+}
+
+/// Generates the id batches: `[tables][batch * pooling]` each, and the mean unique rows
+/// per table.
+fn make_batches(a: &EbcBench, rng: &mut StdRng) -> (Vec<KeyedJaggedTensor>, f64) {
+    let n = a.batch * a.pooling;
+    let rows = a.rows;
+    let zipf = match a.dist {
+        IdDist::Uniform => None,
+        IdDist::Zipf(alpha) => {
+            let mut cdf: Vec<f64> = (1..=rows).map(|k| (k as f64).powf(-alpha)).collect();
+            let mut acc = 0.0;
+            for c in cdf.iter_mut() {
+                acc += *c;
+                *c = acc;
+            }
+            cdf.iter_mut().for_each(|c| *c /= acc);
+            let perms: Vec<Vec<u32>> = (0..a.tables)
+                .map(|_| {
+                    let mut p: Vec<u32> = (0..rows as u32).collect();
+                    for i in (1..p.len()).rev() {
+                        p.swap(i, rng.random_range(0..=i));
+                    }
+                    p
+                })
+                .collect();
+            Some((cdf, perms))
+        }
+    };
+    let keys: Vec<String> = (0..a.tables).map(|t| format!("f{t}")).collect();
+    let lengths = vec![a.pooling as u32; a.tables * a.batch];
+    let mut uniq = 0.0;
+    let mut seen = vec![false; rows as usize];
+    let batches = (0..a.num_batches)
+        .map(|_| {
+            let mut values = Vec::with_capacity(a.tables * n);
+            for t in 0..a.tables {
+                let start = values.len();
+                for _ in 0..n {
+                    let id = match &zipf {
+                        None => rng.random_range(0..rows),
+                        Some((cdf, perms)) => {
+                            let u: f64 = rng.random();
+                            let r = cdf.partition_point(|&c| c <= u).min(rows as usize - 1);
+                            u64::from(perms[t][r])
+                        }
+                    };
+                    values.push(id as i64);
+                }
+                let mut count = 0usize;
+                for &v in &values[start..] {
+                    if !seen[v as usize] {
+                        seen[v as usize] = true;
+                        count += 1;
+                    }
+                }
+                values[start..].iter().for_each(|&v| seen[v as usize] = false);
+                uniq += count as f64;
+            }
+            KeyedJaggedTensor::new(keys.clone(), values, None, lengths.clone(), a.batch)
+                .expect("bench batches are well formed")
+        })
+        .collect();
+    (batches, uniq / (a.num_batches * a.tables) as f64)
+}
+
+/// Runs the benchmark; the result is the JSON object `trainrec bench ebc` prints.
+pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
+    if a.tables == 0 || a.rows == 0 || a.dim == 0 || a.batch == 0 || a.steps == 0 || a.num_batches == 0 {
+        return Err(EmbeddingError::Config("tables, rows, dim, batch, steps and num-batches must be > 0".into()));
+    }
+    let threads = if a.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.threads };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| EmbeddingError::Config(format!("cannot start {threads} threads: {e}")))?;
+    pool.install(|| {
+        let mut rng = StdRng::seed_from_u64(a.seed);
+        tracing::info!("generating {} batches", a.num_batches);
+        let (batches, uniq) = make_batches(a, &mut rng);
+        let width = a.tables * a.dim;
+        let grad: Vec<f32> = (0..a.batch * width).map(|_| StandardNormal.sample(&mut rng)).collect();
+        tracing::info!("building {} tables of {} x {}", a.tables, a.rows, a.dim);
+        let t0 = Instant::now();
+        let configs = (0..a.tables)
+            .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::Sum, &[&format!("f{t}")]))
+            .collect();
+        let mut ebc = EmbeddingBagCollection::new(configs, a.optimizer.clone(), a.seed)?;
+        let build_s = t0.elapsed().as_secs_f64();
+        let mut it = 0usize;
+        let mut step = |ebc: &mut EmbeddingBagCollection| -> Result<(), EmbeddingError> {
+            let kjt = &batches[it % batches.len()];
+            it += 1;
+            let out = ebc.forward(kjt)?;
+            std::hint::black_box(out.values());
+            ebc.backward_and_update(kjt, &grad)
+        };
+        tracing::info!("timing");
+        for _ in 0..a.warmup {
+            step(&mut ebc)?;
+        }
+        let c0 = cpu_snapshot();
+        let mut ts = Vec::with_capacity(a.steps);
+        for _ in 0..a.steps {
+            let t = Instant::now();
+            step(&mut ebc)?;
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        let busy_step = others_busy(c0, cpu_snapshot());
+        let mut fwd = Vec::new();
+        let c1 = cpu_snapshot();
+        for _ in 0..a.fwd_steps {
+            let kjt = &batches[it % batches.len()];
+            it += 1;
+            let t = Instant::now();
+            std::hint::black_box(ebc.forward(kjt)?.values());
+            fwd.push(t.elapsed().as_secs_f64());
+        }
+        let busy_fwd = if a.fwd_steps > 0 { others_busy(c1, cpu_snapshot()) } else { Value::Null };
+        let (t, b, l, d) = (a.tables as f64, a.batch as f64, a.pooling as f64, a.dim as f64);
+        let lookups = t * b * l;
+        let uniq_rows = uniq * t;
+        let spr = a.optimizer.state_per_row(a.dim) as f64;
+        let bytes_fwd = lookups * d * 4.0 + b * t * d * 4.0 + lookups * 8.0;
+        let bytes_bwd = uniq_rows * (2.0 * d * 4.0 + 2.0 * 4.0 * spr) + b * t * d * 4.0 + lookups * 8.0;
+        let step_s = summarize(&ts);
+        let median = step_s["median_s"].as_f64().unwrap_or(f64::NAN);
+        let fwd_s = (!fwd.is_empty()).then(|| summarize(&fwd));
+        let fwd_gbps = fwd_s.as_ref().and_then(|f| f["median_s"].as_f64()).map(|m| bytes_fwd / m / 1e9);
+        Ok(json!({
+            "workload": "w1_ebc_fused_train",
+            "impl": "trainrec",
+            "config": {
+                "tables": a.tables, "rows": a.rows, "dim": a.dim, "pooling": a.pooling, "batch": a.batch,
+                "dist": match a.dist { IdDist::Uniform => "uniform", IdDist::Zipf(_) => "zipf" },
+                "alpha": match a.dist { IdDist::Zipf(x) => x, IdDist::Uniform => 1.05 },
+                "steps": a.steps, "warmup": a.warmup, "fwd_steps": a.fwd_steps, "num_batches": a.num_batches,
+                "optimizer": a.optimizer, "threads": threads, "seed": a.seed,
+            },
+            "step": step_s,
+            "fwd_only": fwd_s,
+            "steps_per_s": rate(&ts, 1.0),
+            "samples_per_s": rate(&ts, b),
+            "unique_rows_per_step": uniq_rows,
+            "unique_frac": uniq_rows / lookups,
+            "min_bytes_per_step": bytes_fwd + bytes_bwd,
+            "implied_GBps_at_median": (bytes_fwd + bytes_bwd) / median / 1e9,
+            "fwd_implied_GBps_at_median": fwd_gbps,
+            "build_s": build_s,
+            "env": {
+                "threads": threads,
+                "others_busy_cores_timed": [busy_step, busy_fwd],
+            },
+        }))
+    })
+}
