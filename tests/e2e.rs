@@ -62,6 +62,22 @@ fn quickstart_learns_the_planted_signal() {
 }
 
 #[test]
+fn mixed_precision_and_per_table_optimizers_learn_too() {
+    let dir = out_dir("mixed");
+    let s = run(
+        &workspace().join("recipes/embedding/mixed_precision.toml"),
+        &[
+            "train.steps=400".into(),
+            "train.eval_every=400".into(),
+            "data.sampler.eval_samples=16384".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ],
+    );
+    eprintln!("mixed precision (400 steps): {:?}", s.eval);
+    assert!(s.eval["auc"] > 0.75, "eval AUC {}", s.eval["auc"]);
+}
+
+#[test]
 fn same_seed_same_metrics() {
     let go = |name: &str| {
         let dir = out_dir(name);

@@ -87,10 +87,15 @@ impl Job {
             .iter()
             .map(|t| {
                 let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
-                EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
+                let mut c = EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
+                    .with_precision(t.precision);
+                c.stochastic_rounding = t.stochastic_rounding;
+                c.optimizer = t.optimizer.clone();
+                c
             })
             .collect();
-        let ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;
+        let mut ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;
+        ebc.set_bounds_check(recipe.embedding.bounds_check);
 
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);

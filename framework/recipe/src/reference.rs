@@ -143,7 +143,7 @@ impl<'a> Renderer<'a> {
             let default = match p.get("default") {
                 _ if required.contains(&key.as_str()) => "required".to_string(),
                 Some(Value::Null) | None => "—".to_string(),
-                Some(d) => format!("`{d}`"),
+                Some(d) => format!("`{}`", short_floats(d)),
             };
             let mut doc = Self::doc(p);
             if doc.is_empty() {
@@ -175,4 +175,30 @@ pub fn render(title: &str, schema: &Value, skip: Option<&str>) -> String {
 
 fn join(title: &str, key: &str) -> String {
     if title.is_empty() { key.to_string() } else { format!("{title}.{key}") }
+}
+
+/// `value` as JSON, with floats that came from `f32` defaults written in their shortest
+/// `f32` form (`0.9`, not `0.8999999761581421`).
+fn short_floats(value: &Value) -> String {
+    match value {
+        Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().unwrap_or_default();
+            let f = x as f32;
+            if f64::from(f) == x && f.is_finite() {
+                let (plain, sci) = (format!("{f:?}"), format!("{f:e}"));
+                if sci.len() < plain.len() { sci } else { plain }
+            } else {
+                n.to_string()
+            }
+        }
+        Value::Array(items) => format!("[{}]", items.iter().map(short_floats).collect::<Vec<_>>().join(",")),
+        Value::Object(map) => format!(
+            "{{{}}}",
+            map.iter()
+                .map(|(k, v)| format!("{}:{}", Value::String(k.clone()), short_floats(v)))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        other => other.to_string(),
+    }
 }

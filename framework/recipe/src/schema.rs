@@ -5,7 +5,7 @@
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use trainrec_embedding::{PoolingMode, SparseOptimizerConfig};
+use trainrec_embedding::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WeightPrecision};
 
 /// A whole training job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -21,6 +21,9 @@ pub struct Recipe {
     pub model: PluginSection,
     /// Sparse (fused, per table) and dense optimizers.
     pub optimizer: OptimizerSection,
+    /// Embedding engine options.
+    #[serde(default)]
+    pub embedding: EmbeddingSection,
     /// Length of training and evaluation cadence.
     pub train: TrainSection,
     /// Metrics computed on the eval split (`[[metrics]]`).
@@ -97,6 +100,29 @@ pub struct TableSection {
     /// How the ids of one bag are combined.
     #[serde(default = "defaults::pooling")]
     pub pooling: PoolingMode,
+    /// Storage precision of the weights (`fp32`, `fp16`, `bf16`); lookups and updates compute
+    /// in fp32 and the optimizer state is always fp32.
+    #[serde(default)]
+    pub precision: WeightPrecision,
+    /// Round fp16/bf16 weight updates stochastically (unbiased; FBGEMM's default) instead of
+    /// to nearest. No effect on fp32 tables.
+    #[serde(default = "defaults::stochastic_rounding")]
+    pub stochastic_rounding: bool,
+    /// This table's own fused optimizer (same keys as `[optimizer.sparse]`); tables sharing
+    /// precision, optimizer and pooling are batched into one group.
+    #[serde(default)]
+    pub optimizer: Option<SparseOptimizerConfig>,
+}
+
+/// `[embedding]`: options of the embedding engine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddingSection {
+    /// What to do with an id outside `0..rows`: `fatal` stops with an error naming the table,
+    /// feature, example and id; `warning` counts, logs and reads row 0 instead (FBGEMM's
+    /// `WARNING`); `ignore` reads row 0 silently.
+    #[serde(default)]
+    pub bounds_check: BoundsCheckMode,
 }
 
 /// `[optimizer]`: the two optimizers of a job. Neither has a silent default.
@@ -207,6 +233,10 @@ pub mod defaults {
     /// Default `tables[].pooling`.
     pub fn pooling() -> PoolingMode {
         PoolingMode::Sum
+    }
+    /// Default `stochastic_rounding` (FBGEMM: `True`).
+    pub fn stochastic_rounding() -> bool {
+        true
     }
     /// Default Adam beta1.
     pub fn beta1() -> f64 {

@@ -125,6 +125,15 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                     .with_help("list the sparse features looked up in this table"),
             );
         }
+        if let Some(opt) = &table.optimizer {
+            let before = out.len();
+            positive_f64(&mut out, tp.key("optimizer").key("lr"), opt.lr() as f64);
+            if out.len() == before {
+                if let Err(message) = opt.validate() {
+                    out.push(Diagnostic::new(tp.key("optimizer"), message));
+                }
+            }
+        }
         for (f, feature) in table.features.iter().enumerate() {
             let fp = tp.key("features").index(f);
             let r = FeatureRef::parse(feature);
