@@ -121,12 +121,30 @@ impl Step {
     }
 
     /// Updates one row: `w` its weights (fp32), `state` its optimizer state
-    /// (`state_per_row(dim)` floats), `g` its summed gradient.
+    /// (`state_per_row(dim)` floats), `g` its summed gradient (scratch: LAMB overwrites it).
     #[inline(always)]
-    pub(crate) fn apply(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
+    pub(crate) fn apply(&self, w: &mut [f32], state: &mut [f32], g: &mut [f32]) {
         let dim = w.len();
         debug_assert_eq!(g.len(), dim);
         let lr = self.lr;
+        if self.opt == Kind::Lamb {
+            // As FBGEMM, the gradient buffer is reused for the direction r.
+            let (m1, m2) = state.split_at_mut(dim);
+            let (b1, b2, c1, c2, eps, wd) = (self.beta1, self.beta2, self.c1, self.c2, self.eps, self.weight_decay);
+            for (((&w, m), v), g) in w.iter().zip(m1.iter_mut()).zip(m2.iter_mut()).zip(g.iter_mut()) {
+                *m = b1 * *m + (1.0 - b1) * *g;
+                *v = b2 * *v + (1.0 - b2) * *g * *g;
+                *g = (*m / c1) / ((*v / c2).sqrt() + eps) + wd * w;
+            }
+            let (wn, rn) = (sum_sq(w).sqrt(), sum_sq(g).sqrt());
+            let ratio = if wn > 0.0 && rn > 0.0 { wn / rn } else { 1.0 };
+            let step = -lr * ratio;
+            for (w, &r) in w.iter_mut().zip(g.iter()) {
+                *w += step * r;
+            }
+            return;
+        }
+        let g: &[f32] = g;
         match self.opt {
             Kind::Sgd => {
                 for (w, &g) in w.iter_mut().zip(g) {
@@ -183,36 +201,7 @@ impl Step {
                     *w -= lr * (*m / c1 / denom + wd * *w);
                 }
             }
-            Kind::Lamb => {
-                let (m1, m2) = state.split_at_mut(dim);
-                let (b1, b2, c1, c2, eps, wd) = (self.beta1, self.beta2, self.c1, self.c2, self.eps, self.weight_decay);
-                let mut weight_sq = 0.0f32;
-                let mut rtw_sq = 0.0f32;
-                // The direction r overwrites m2's slot only after m2 is updated, so keep it
-                // in a small stack buffer per 16 weights to stay allocation free.
-                let mut r = [0f32; 16];
-                // First pass: moments and norms.
-                for (((&w, m), v), &g) in w.iter().zip(m1.iter_mut()).zip(m2.iter_mut()).zip(g) {
-                    *m = b1 * *m + (1.0 - b1) * g;
-                    *v = b2 * *v + (1.0 - b2) * g * g;
-                    let rt = (*m / c1) / ((*v / c2).sqrt() + eps) + wd * w;
-                    weight_sq += w * w;
-                    rtw_sq += rt * rt;
-                }
-                let (wn, rn) = (weight_sq.sqrt(), rtw_sq.sqrt());
-                let ratio = if wn > 0.0 && rn > 0.0 { wn / rn } else { 1.0 };
-                let step = -lr * ratio;
-                // Second pass: recompute r from the updated moments (same fp32 ops, so the same
-                // values) and apply it.
-                for (((wc, mc), vc), _) in w.chunks_mut(16).zip(m1.chunks(16)).zip(m2.chunks(16)).zip(0..) {
-                    for (i, ((&m, &v), w)) in mc.iter().zip(vc).zip(wc.iter()).enumerate() {
-                        r[i] = (m / c1) / ((v / c2).sqrt() + eps) + wd * *w;
-                    }
-                    for (w, &r) in wc.iter_mut().zip(&r) {
-                        *w += step * r;
-                    }
-                }
-            }
+            Kind::Lamb => {} // handled above, where the gradient buffer is writable
         }
     }
 }

@@ -105,10 +105,23 @@ fn stochastic<H: Half16>(x: f32, u: u16) -> H {
     if r < p { hi } else { lo }
 }
 
+/// IEEE half to single, exact for every bit pattern, branch free so that row loops vectorise
+/// (the `half` crate's portable path does not, and its F16C path needs a compile-time
+/// target feature). Normal and subnormal halves scale exactly by 2^112 after the bit shift;
+/// infinities and NaNs get the all-ones exponent.
+#[inline(always)]
+pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = u32::from(h);
+    let magnitude = (h & 0x7fff) << 13;
+    let scaled = f32::from_bits(magnitude) * f32::from_bits(0x7780_0000); // 2^112
+    let special = if h & 0x7c00 == 0x7c00 { f32::from_bits(magnitude | 0x7f80_0000) } else { scaled };
+    f32::from_bits(special.to_bits() | ((h & 0x8000) << 16))
+}
+
 impl Weight for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        f16::to_f32(self)
+        f16_bits_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
@@ -177,8 +190,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn fast_f16_widening_is_exact_for_every_bit_pattern() {
+        for bits in 0..=u16::MAX {
+            let (ours, theirs) = (f16_bits_to_f32(bits), f16::from_bits(bits).to_f32());
+            assert!(ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()), "{bits:#06x}");
+        }
+    }
+
+    #[test]
     fn nearest_matches_half_crate_and_is_exact_for_fp32() {
-        for x in [0.0f32, 1.0, -1.5, 3.14159, 1e-7, 65504.0, 1e30] {
+        for x in [0.0f32, 1.0, -1.5, 2.71, 1e-7, 65504.0, 1e30] {
             assert_eq!(<f32 as Weight>::from_f32(x), x);
             assert_eq!(<f16 as Weight>::from_f32(x), f16::from_f32(x));
             assert_eq!(<bf16 as Weight>::from_f32(x), bf16::from_f32(x));

@@ -37,6 +37,17 @@ pub(crate) struct Slot {
     pub spr: usize,
 }
 
+/// The bags one pooling call covers.
+struct PoolArgs<'a> {
+    values: &'a [i64],
+    weights: Option<&'a [f32]>,
+    b0: usize,
+    n: usize,
+    width: usize,
+    col: usize,
+    mean: bool,
+}
+
 /// The tables of one group.
 pub(crate) struct Tbe<T: Weight + Pod> {
     pub slots: Vec<Slot>,
@@ -227,24 +238,74 @@ impl<T: Weight + Pod> Tbe<T> {
         col: usize,
         mean: bool,
     ) {
+        let dim = self.slots[t].dim;
+        let n = out.len() / width.max(1);
+        let p = PoolArgs { values, weights, b0, n, width, col, mean };
+        // Common dims get a copy whose accumulator lives in registers for the whole bag.
+        match dim {
+            4 => self.pool_fixed::<4>(t, &starts, &p, out),
+            8 => self.pool_fixed::<8>(t, &starts, &p, out),
+            16 => self.pool_fixed::<16>(t, &starts, &p, out),
+            32 => self.pool_fixed::<32>(t, &starts, &p, out),
+            64 => self.pool_fixed::<64>(t, &starts, &p, out),
+            128 => self.pool_fixed::<128>(t, &starts, &p, out),
+            _ => self.pool_any(t, &starts, &p, out),
+        }
+    }
+
+    #[inline(always)]
+    fn pool_fixed<const D: usize>(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
+        let rows = self.slots[t].rows;
+        let table = self.table(t);
+        let end = starts(p.b0 + p.n);
+        let mut pos = starts(p.b0);
+        for local in 0..p.n {
+            let stop = starts(p.b0 + local + 1);
+            let len = stop - pos;
+            let mut acc = [0f32; D];
+            while pos < stop {
+                if pos + PREFETCH < end {
+                    let r = clamp_row(p.values[pos + PREFETCH], rows);
+                    prefetch(table.as_ptr().wrapping_add(r * D), D * size_of::<T>());
+                }
+                let r = clamp_row(p.values[pos], rows);
+                let src: &[T; D] = table[r * D..][..D].try_into().expect("a row has D weights");
+                match p.weights {
+                    None => (0..D).for_each(|d| acc[d] += src[d].to_f32()),
+                    Some(wt) => {
+                        let a = wt[pos];
+                        (0..D).for_each(|d| acc[d] += a * src[d].to_f32());
+                    }
+                }
+                pos += 1;
+            }
+            if p.mean && len > 0 {
+                let inv = 1.0 / len as f32;
+                acc.iter_mut().for_each(|x| *x *= inv);
+            }
+            out[local * p.width + p.col..][..D].copy_from_slice(&acc);
+        }
+    }
+
+    #[inline(always)]
+    fn pool_any(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
         let Slot { rows, dim, .. } = self.slots[t];
         let table = self.table(t);
         let row_bytes = dim * size_of::<T>();
-        let n = out.len() / width.max(1);
-        let end = starts(b0 + n);
-        let mut pos = starts(b0);
-        for local in 0..n {
-            let stop = starts(b0 + local + 1);
-            let dst = &mut out[local * width + col..][..dim];
+        let end = starts(p.b0 + p.n);
+        let mut pos = starts(p.b0);
+        for local in 0..p.n {
+            let stop = starts(p.b0 + local + 1);
+            let dst = &mut out[local * p.width + p.col..][..dim];
             let len = stop - pos;
             while pos < stop {
                 if pos + PREFETCH < end {
-                    let r = clamp_row(values[pos + PREFETCH], rows);
+                    let r = clamp_row(p.values[pos + PREFETCH], rows);
                     prefetch(table.as_ptr().wrapping_add(r * dim), row_bytes);
                 }
-                let r = clamp_row(values[pos], rows);
+                let r = clamp_row(p.values[pos], rows);
                 let src = &table[r * dim..][..dim];
-                match weights {
+                match p.weights {
                     None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s.to_f32()),
                     Some(wt) => {
                         let a = wt[pos];
@@ -253,7 +314,7 @@ impl<T: Weight + Pod> Tbe<T> {
                 }
                 pos += 1;
             }
-            if mean && len > 0 {
+            if p.mean && len > 0 {
                 let inv = 1.0 / len as f32;
                 dst.iter_mut().for_each(|d| *d *= inv);
             }
@@ -409,10 +470,10 @@ impl<T: Weight + Pod> Job<'_, T> {
             let w_row = &mut w[local * dim..][..dim];
             let s_row = &mut s[local * spr..][..spr];
             match T::as_f32_mut(w_row) {
-                Some(w32) => step.apply(w32, s_row, &g),
+                Some(w32) => step.apply(w32, s_row, &mut g),
                 None => {
                     wf.iter_mut().zip(w_row.iter()).for_each(|(f, w)| *f = w.to_f32());
-                    step.apply(&mut wf, s_row, &g);
+                    step.apply(&mut wf, s_row, &mut g);
                     let mut rng = rng_key.map(|k| RowRng::new(k ^ ((table as u64) << 40) ^ row as u64));
                     store_row(w_row, &wf, rng.as_mut());
                 }
