@@ -75,3 +75,47 @@ fn reference_prints_the_generated_page() {
     let page = std::fs::read_to_string(workspace().join("book/src/reference/recipe.md")).unwrap();
     assert_eq!(stdout, page);
 }
+
+#[test]
+fn bench_ebc_prints_one_json_line_with_the_anchor_fields() {
+    let (code, stdout, stderr) = trainrec(&[
+        "bench",
+        "ebc",
+        "--tables",
+        "2",
+        "--rows",
+        "5000",
+        "--dim",
+        "12",
+        "--pooling",
+        "3",
+        "--batch",
+        "64",
+        "--dist",
+        "zipf",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--fwd-steps",
+        "2",
+        "--optimizer",
+        "lamb",
+        "--threads",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout.lines().count(), 1, "exactly one line on stdout: {stdout}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+    assert!(v["samples_per_s"]["median"].as_f64().unwrap() > 0.0);
+    assert!(v["step"]["median_s"].as_f64().unwrap() > 0.0);
+    assert!(v["fwd_only"]["median_s"].as_f64().unwrap() > 0.0);
+    assert!(v["implied_GBps_at_median"].as_f64().unwrap() > 0.0);
+    let unique = v["unique_rows_per_step"].as_f64().unwrap();
+    assert!(unique > 0.0 && unique <= 2.0 * 64.0 * 3.0, "{unique}");
+    assert_eq!(v["config"]["optimizer"]["kind"], "lamb");
+    assert_eq!(v["config"]["dist"], "zipf");
+    let (code, _, stderr) = trainrec(&["bench", "ebc", "--rows", "0"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("must be > 0"), "{stderr}");
+}
