@@ -78,6 +78,28 @@ fn mixed_precision_and_per_table_optimizers_learn_too() {
 }
 
 #[test]
+fn every_metric_reports_and_they_agree_with_each_other() {
+    let dir = out_dir("all-metrics");
+    let s = run(
+        &workspace().join("recipes/metrics/all_metrics.toml"),
+        &[
+            "train.steps=60".into(),
+            "train.eval_every=60".into(),
+            "data.sampler.eval_samples=8192".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ],
+    );
+    let m = &s.eval;
+    for key in ["ne", "logloss", "auc", "calibration", "ctr", "accuracy", "precision", "recall", "mse", "rmse", "mae"] {
+        assert!(m[key].is_finite(), "{key} = {}", m[key]);
+    }
+    // Definitions tie the values together: calibration = mean prediction / CTR, rmse = sqrt(mse).
+    assert!((m["calibration"] - m["weighted_avg"] / m["ctr"]).abs() < 1e-9, "{m:?}");
+    assert!((m["rmse"] * m["rmse"] - m["mse"]).abs() < 1e-12, "{m:?}");
+    assert!(m["mae"] >= m["mse"] && m["mae"] <= m["rmse"], "{m:?}");
+}
+
+#[test]
 fn same_seed_same_metrics() {
     let go = |name: &str| {
         let dir = out_dir(name);

@@ -1,6 +1,5 @@
 //! Area under the ROC curve (TorchRec `torchrec/metrics/auc.py`).
 
-use std::cmp::Ordering;
 use std::collections::VecDeque;
 
 use crate::{Metric, MetricError, validate_batch, weight_at};
@@ -82,10 +81,8 @@ impl AucMetric {
         if self.samples.is_empty() {
             return 0.5;
         }
-        let mut sorted: Vec<Sample> = self.samples.iter().copied().collect();
-        // Predictions are validated finite, so `partial_cmp` always answers; `sort_by` is
-        // stable, which fixes the order of ties (arrival order).
-        sorted.sort_by(|a, b| b.prediction.partial_cmp(&a.prediction).unwrap_or(Ordering::Equal));
+        // Descending by prediction, ties in arrival order.
+        let sorted = sort_descending(&self.samples);
         let (mut tp, mut fp, mut area) = (0.0f64, 0.0f64, 0.0f64);
         for s in &sorted {
             let w = f64::from(s.weight);
@@ -100,6 +97,24 @@ impl AucMetric {
         }
         area / fp / tp
     }
+}
+
+/// `f32` → `u32` such that the integer order is the float order (finite values).
+#[inline]
+fn ordered_bits(x: f32) -> u32 {
+    // -0.0 and 0.0 are equal predictions (a tie), as `partial_cmp` has them.
+    let b = if x == 0.0 { 0 } else { x.to_bits() };
+    if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
+}
+
+/// The samples by descending prediction, ties in input order: sorts one `u64` per sample,
+/// the inverted order-preserving image of the prediction above the sample's index (so the
+/// index breaks ties and an unstable sort is stable), then gathers.
+fn sort_descending(samples: &VecDeque<Sample>) -> Vec<Sample> {
+    let mut keys: Vec<u64> =
+        samples.iter().enumerate().map(|(i, s)| (u64::from(!ordered_bits(s.prediction)) << 32) | i as u64).collect();
+    keys.sort_unstable();
+    keys.into_iter().map(|k| samples[(k & 0xffff_ffff) as usize]).collect()
 }
 
 impl Metric for AucMetric {
@@ -138,6 +153,8 @@ impl Metric for AucMetric {
 
 #[cfg(test)]
 mod tests {
+    use std::cmp::Ordering;
+
     use super::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};

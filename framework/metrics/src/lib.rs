@@ -10,11 +10,14 @@
 //! [`MetricReport`] as an aligned console table or one JSONL line.
 
 mod auc;
+pub mod bench;
 mod ne;
+mod rec;
 mod suite;
 
 pub use auc::AucMetric;
 pub use ne::{NE_ETA, NeMetric};
+pub use rec::{LifetimeMetric, MAX_WINDOW_UPDATES, MultiTaskMetrics, SumMetric, SumMetricKind, TaskBatch};
 pub use suite::{MetricReport, MetricSuite, Split, render_table};
 
 /// What went wrong when feeding or reporting a metric.
@@ -66,6 +69,22 @@ pub enum MetricError {
     DuplicateName {
         /// The name reported twice.
         name: String,
+    },
+    /// Two metric states that cannot be merged (different metrics or tasks).
+    #[error("cannot merge {theirs} into {ours}")]
+    Incompatible {
+        /// This side.
+        ours: &'static str,
+        /// The other side.
+        theirs: &'static str,
+    },
+    /// A multi-task update with the wrong number of tasks.
+    #[error("expected a batch for each of {expected} tasks, got {got}")]
+    TaskCount {
+        /// Tasks configured.
+        expected: usize,
+        /// Batches given.
+        got: usize,
     },
     /// Serialising a report failed.
     #[error("could not serialise the metric report: {0}")]

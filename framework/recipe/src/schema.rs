@@ -220,6 +220,35 @@ pub enum MetricSection {
     },
     /// Area under the ROC curve, as TorchRec computes it.
     Auc {},
+    /// Calibration: `Σ w p / Σ w y` (1.0 is calibrated; 0 when there are no positives).
+    Calibration {},
+    /// Click-through rate: the weighted mean label `Σ w y / Σ w`.
+    Ctr {},
+    /// Mean squared error `Σ w (y - p)² / Σ w`; also reports `rmse`.
+    Mse {},
+    /// Mean absolute error `Σ w |y - p| / Σ w`.
+    Mae {},
+    /// Weighted share of examples whose decision `p >= threshold` equals the label.
+    Accuracy {
+        /// Decision threshold.
+        #[serde(default = "defaults::threshold")]
+        threshold: f64,
+    },
+    /// `tp / (tp + fp)` at `p >= threshold`.
+    Precision {
+        /// Decision threshold.
+        #[serde(default = "defaults::threshold")]
+        threshold: f64,
+    },
+    /// `tp / (tp + fn)`; as in TorchRec a prediction equal to the threshold counts as both a
+    /// true positive and a false negative.
+    Recall {
+        /// Decision threshold.
+        #[serde(default = "defaults::threshold")]
+        threshold: f64,
+    },
+    /// Weighted mean prediction `Σ w p / Σ w`.
+    WeightedAvg {},
 }
 
 /// Defaults, declared once.
@@ -229,6 +258,10 @@ pub mod defaults {
     /// Default `[[metrics]]`: NE (with log loss) and AUC.
     pub fn metrics() -> Vec<MetricSection> {
         vec![MetricSection::Ne { include_logloss: true }, MetricSection::Auc {}]
+    }
+    /// Default decision threshold of accuracy, precision and recall (TorchRec: 0.5).
+    pub fn threshold() -> f64 {
+        0.5
     }
     /// Default `tables[].pooling`.
     pub fn pooling() -> PoolingMode {

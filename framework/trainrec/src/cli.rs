@@ -76,6 +76,29 @@ pub enum BenchCommand {
     /// W1: pooled EBC train step (forward + fused backward/update), the flags of
     /// `bench/anchors/w1_ebc_train.py`.
     Ebc(EbcArgs),
+    /// W4: NE and AUC update + compute over `--n` predictions, the flags of
+    /// `bench/anchors/w4_metrics.py`.
+    Metrics(MetricsArgs),
+}
+
+/// Flags of `trainrec bench metrics`.
+#[derive(Debug, clap::Args)]
+pub struct MetricsArgs {
+    /// Predictions in total.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub n: usize,
+    /// Predictions per update.
+    #[arg(long, default_value_t = 8192)]
+    pub batch: usize,
+    /// Metric window in samples.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub window: usize,
+    /// Repeats, each with fresh metrics.
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 /// Id distribution of `bench ebc`.
@@ -217,6 +240,25 @@ pub fn main_with(registry: Registry) -> ExitCode {
         Command::Reference => {
             print!("{}", trainrec_engine::reference::recipe_reference(&registry));
             ExitCode::SUCCESS
+        }
+        Command::Bench { which: BenchCommand::Metrics(a) } => {
+            let bench = trainrec_metrics::bench::MetricsBench {
+                n: a.n,
+                batch: a.batch,
+                window: a.window,
+                repeats: a.repeats,
+                seed: a.seed,
+            };
+            match trainrec_metrics::bench::run(&bench) {
+                Ok(result) => {
+                    println!("{result}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e} (--n, --batch, --window and --repeats must be > 0)");
+                    ExitCode::from(2)
+                }
+            }
         }
         Command::Bench { which: BenchCommand::Ebc(args) } => match trainrec_embedding::bench::run(&args.bench()) {
             Ok(result) => {

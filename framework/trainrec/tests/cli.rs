@@ -119,3 +119,18 @@ fn bench_ebc_prints_one_json_line_with_the_anchor_fields() {
     assert_eq!(code, 2);
     assert!(stderr.contains("must be > 0"), "{stderr}");
 }
+
+#[test]
+fn bench_metrics_prints_the_w4_shape() {
+    let (code, stdout, stderr) = trainrec(&["bench", "metrics", "--n", "20000", "--batch", "512", "--repeats", "2"]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    for m in ["ne", "auc"] {
+        assert!(v[m]["update_total"]["median_s"].as_f64().unwrap() > 0.0, "{m}");
+        assert!(v[m]["compute"]["median_s"].as_f64().is_some(), "{m}");
+    }
+    let auc = v["auc"]["values"]["auc"].as_f64().unwrap();
+    assert!((0.65..0.8).contains(&auc), "calibrated sigmoid(N(0,1)) predictions give AUC ~ 0.74, got {auc}");
+    let ne = v["ne"]["values"]["lifetime_ne"].as_f64().unwrap();
+    assert!((0.8..0.92).contains(&ne), "NE ~ 0.865, got {ne}");
+}

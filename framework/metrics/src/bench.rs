@@ -1,0 +1,83 @@
+//! The W4 metrics benchmark (`trainrec bench metrics`): NE and AUC update + compute over `n`
+//! predictions in batches, shaped like the output of `bench/anchors/w4_metrics.py`.
+
+use std::time::Instant;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+use crate::{AucMetric, Metric, MetricError, SumMetric, SumMetricKind};
+
+/// Parameters (the flags of `w4_metrics.py`).
+#[derive(Clone, Debug)]
+pub struct MetricsBench {
+    /// Predictions in total.
+    pub n: usize,
+    /// Predictions per update.
+    pub batch: usize,
+    /// Window in samples.
+    pub window: usize,
+    /// Repeats (fresh metric each).
+    pub repeats: usize,
+    /// Seed.
+    pub seed: u64,
+}
+
+fn summarize(ts: &[f64]) -> Value {
+    let mut s = ts.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    let median = if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 };
+    json!({"median_s": median, "min_s": s[0], "max_s": s[n - 1], "n": n})
+}
+
+/// Runs the benchmark; returns the JSON object to print.
+pub fn run(a: &MetricsBench) -> Result<Value, MetricError> {
+    if a.n == 0 || a.batch == 0 || a.repeats == 0 {
+        return Err(MetricError::EmptyWindow);
+    }
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let mut pred = Vec::with_capacity(a.n);
+    let mut label = Vec::with_capacity(a.n);
+    for _ in 0..a.n {
+        // sigmoid(N(0, 1)) by Box-Muller; labels Bernoulli(pred): a calibrated model, AUC ~ 0.7.
+        let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-300), rng.random());
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let p = 1.0 / (1.0 + (-z).exp());
+        pred.push(p as f32);
+        label.push(if rng.random::<f64>() < p { 1.0f32 } else { 0.0 });
+    }
+    let weight = vec![1.0f32; a.n];
+    let mut out = json!({
+        "workload": "w4_metrics",
+        "impl": "trainrec",
+        "config": {"n": a.n, "batch": a.batch, "window": a.window, "repeats": a.repeats, "seed": a.seed},
+        "num_updates": a.n.div_ceil(a.batch),
+    });
+    for name in ["ne", "auc"] {
+        let (mut upd, mut comp, mut values) = (Vec::new(), Vec::new(), Value::Null);
+        for _ in 0..a.repeats {
+            let mut m: Box<dyn Metric> = match name {
+                "ne" => Box::new(SumMetric::new(SumMetricKind::Ne { include_logloss: false }, a.window)?),
+                _ => Box::new(AucMetric::with_window(a.window)?),
+            };
+            let t0 = Instant::now();
+            for start in (0..a.n).step_by(a.batch) {
+                let end = (start + a.batch).min(a.n);
+                m.update(&pred[start..end], &label[start..end], Some(&weight[start..end]))?;
+            }
+            let t1 = Instant::now();
+            let r = std::hint::black_box(m.compute());
+            let t2 = Instant::now();
+            upd.push((t1 - t0).as_secs_f64());
+            comp.push((t2 - t1).as_secs_f64());
+            values = r.into_iter().map(|(k, v)| (k, json!(v))).collect::<serde_json::Map<_, _>>().into();
+        }
+        let u = summarize(&upd);
+        let per_call = u["median_s"].as_f64().unwrap_or(0.0) / a.n.div_ceil(a.batch) as f64 * 1e6;
+        out[name] = json!({"update_total": u, "update_per_call_us_median": per_call, "compute": summarize(&comp),
+                           "values": values});
+    }
+    Ok(out)
+}

@@ -1,0 +1,405 @@
+//! State-based metrics with TorchRec's definitions, lifetime and windowed values, mergeable
+//! across ranks: the sum-state family of `torchrec.metrics` (NE / log loss, calibration, CTR,
+//! MSE / RMSE, MAE, accuracy, precision, recall, weighted average).
+//!
+//! Each metric keeps a few `f64` sums. The lifetime sums add every batch; the window sums
+//! follow TorchRec's `WindowBuffer`: each update's sums are queued with its sample count, and
+//! the oldest whole updates are dropped while the window holds more than `window` samples
+//! (never the newest one), or when 1,000 updates are queued. Reducing across ranks is a sum of
+//! both (`merge`), as TorchRec's `dist_reduce_fx = "sum"`; TorchRec gives each of `world`
+//! ranks a window of `ceil(window / world)` samples ([`SumMetric::for_rank`]).
+
+use std::collections::VecDeque;
+
+use crate::{Metric, MetricError, NE_ETA, validate_batch, weight_at};
+
+/// TorchRec's `MAX_BUFFER_COUNT`: updates a window remembers at most.
+pub const MAX_WINDOW_UPDATES: usize = 1000;
+
+/// A sum-state metric and its options.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SumMetricKind {
+    /// Normalized entropy (and log loss, base 2): see [`crate::NeMetric`] for the formula.
+    Ne {
+        /// Also report `logloss`.
+        include_logloss: bool,
+    },
+    /// `Σ w p / Σ w y` (0 when `Σ w y <= 0`).
+    Calibration,
+    /// `Σ w y / Σ w` (0 when `Σ w = 0`).
+    Ctr,
+    /// `mse = Σ w (y - p)² / Σ w`, `rmse = sqrt(mse)` (0 when `Σ w = 0`).
+    Mse,
+    /// `Σ w |y - p| / Σ w` (0 when `Σ w = 0`).
+    Mae,
+    /// `Σ w [(p >= t) == y] / Σ w` (a soft label never equals the 0/1 decision).
+    Accuracy {
+        /// Decision threshold `t` (TorchRec: 0.5).
+        threshold: f64,
+    },
+    /// `tp / (tp + fp)` with `tp = Σ w [p >= t] y`, `fp = Σ w [p >= t] (1 - y)` (0 when both are 0).
+    Precision {
+        /// Decision threshold `t`.
+        threshold: f64,
+    },
+    /// `tp / (tp + fn)` with `tp = Σ w [p >= t] y`, `fn = Σ w [p <= t] y` — TorchRec counts a
+    /// prediction equal to `t` as both a true positive and a false negative (0 when both are 0).
+    Recall {
+        /// Decision threshold `t`.
+        threshold: f64,
+    },
+    /// `Σ w p / Σ w` (NaN before any weight, as in TorchRec).
+    WeightedAvg,
+}
+
+impl SumMetricKind {
+    /// TorchRec's metric name (the `ne` of `ne-click|window_ne`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Ne { .. } => "ne",
+            Self::Calibration => "calibration",
+            Self::Ctr => "ctr",
+            Self::Mse => "mse",
+            Self::Mae => "mae",
+            Self::Accuracy { .. } => "accuracy",
+            Self::Precision { .. } => "precision",
+            Self::Recall { .. } => "recall",
+            Self::WeightedAvg => "weighted_avg",
+        }
+    }
+
+    /// The values it reports (e.g. `["mse", "rmse"]`).
+    pub fn values(&self) -> Vec<&'static str> {
+        match self {
+            Self::Ne { include_logloss: true } => vec!["ne", "logloss"],
+            Self::Mse => vec!["mse", "rmse"],
+            other => vec![other.name()],
+        }
+    }
+
+    fn num_sums(&self) -> usize {
+        match self {
+            Self::Ne { .. } => 4,
+            _ => 2,
+        }
+    }
+
+    /// Adds one sample's contributions to `s`.
+    #[inline]
+    fn accumulate(&self, s: &mut [f64], p: f64, y: f64, w: f64) {
+        match *self {
+            Self::Ne { .. } => {
+                let q = p.clamp(NE_ETA, 1.0 - NE_ETA);
+                // A hard label zeroes one of the two terms: skip its logarithm (same value).
+                s[0] += if y == 1.0 {
+                    -w * q.log2()
+                } else if y == 0.0 {
+                    -w * (1.0 - q).log2()
+                } else {
+                    -w * y * q.log2() - w * (1.0 - y) * (1.0 - q).log2()
+                };
+                s[1] += w;
+                s[2] += w * y;
+                s[3] += w * (1.0 - y);
+            }
+            Self::Calibration => {
+                s[0] += w * p;
+                s[1] += w * y;
+            }
+            Self::Ctr => {
+                s[0] += w * y;
+                s[1] += w;
+            }
+            Self::Mse => {
+                s[0] += w * (y - p) * (y - p);
+                s[1] += w;
+            }
+            Self::Mae => {
+                s[0] += w * (y - p).abs();
+                s[1] += w;
+            }
+            Self::Accuracy { threshold } => {
+                let decision = if p >= threshold { 1.0 } else { 0.0 };
+                s[0] += if decision == y { w } else { 0.0 };
+                s[1] += w;
+            }
+            Self::Precision { threshold } => {
+                if p >= threshold {
+                    s[0] += w * y;
+                    s[1] += w * (1.0 - y);
+                }
+            }
+            Self::Recall { threshold } => {
+                if p >= threshold {
+                    s[0] += w * y;
+                }
+                if p <= threshold {
+                    s[1] += w * y;
+                }
+            }
+            Self::WeightedAvg => {
+                s[0] += w * p;
+                s[1] += w;
+            }
+        }
+    }
+
+    /// The reported values from the sums.
+    fn finish(&self, s: &[f64]) -> Vec<f64> {
+        let ratio_or_zero = |num: f64, den: f64| if den == 0.0 { 0.0 } else { num / den };
+        match *self {
+            Self::Ne { include_logloss } => {
+                let (ce, n, pos, neg) = (s[0], s[1], s[2], s[3]);
+                let mean_label = (pos / n.max(NE_ETA)).clamp(NE_ETA, 1.0 - NE_ETA);
+                let ne = ce / (-pos * mean_label.log2() - neg * (1.0 - mean_label).log2());
+                let mut v = vec![ne];
+                if include_logloss {
+                    v.push(ce / (pos + neg).max(NE_ETA));
+                }
+                v
+            }
+            Self::Calibration => vec![if s[1] <= 0.0 { 0.0 } else { s[0] / s[1] }],
+            Self::Ctr | Self::Mae | Self::Accuracy { .. } => vec![ratio_or_zero(s[0], s[1])],
+            Self::Mse => {
+                let mse = ratio_or_zero(s[0], s[1]);
+                vec![mse, mse.sqrt()]
+            }
+            Self::Precision { .. } | Self::Recall { .. } => vec![ratio_or_zero(s[0], s[0] + s[1])],
+            Self::WeightedAvg => vec![s[0] / s[1]],
+        }
+    }
+}
+
+/// TorchRec's window of per-update sums.
+#[derive(Clone, Debug, PartialEq)]
+struct Window {
+    max_samples: usize,
+    sums: Vec<f64>,
+    updates: VecDeque<(Vec<f64>, usize)>,
+    samples: usize,
+}
+
+impl Window {
+    fn push(&mut self, sums: Vec<f64>, size: usize) {
+        if self.updates.len() == MAX_WINDOW_UPDATES {
+            self.pop();
+        }
+        self.sums.iter_mut().zip(&sums).for_each(|(a, b)| *a += b);
+        self.updates.push_back((sums, size));
+        self.samples += size;
+        while self.samples > self.max_samples && self.updates.len() > 1 {
+            self.pop();
+        }
+    }
+
+    fn pop(&mut self) {
+        if let Some((old, size)) = self.updates.pop_front() {
+            self.sums.iter_mut().zip(&old).for_each(|(a, b)| *a -= b);
+            self.samples -= size;
+        }
+    }
+}
+
+/// One sum-state metric of one task: lifetime and windowed values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SumMetric {
+    kind: SumMetricKind,
+    lifetime: Vec<f64>,
+    window: Window,
+}
+
+impl SumMetric {
+    /// A fresh metric whose window holds `window` samples.
+    pub fn new(kind: SumMetricKind, window: usize) -> Result<Self, MetricError> {
+        if window == 0 {
+            return Err(MetricError::EmptyWindow);
+        }
+        let n = kind.num_sums();
+        Ok(Self {
+            kind,
+            lifetime: vec![0.0; n],
+            window: Window { max_samples: window, sums: vec![0.0; n], updates: VecDeque::new(), samples: 0 },
+        })
+    }
+
+    /// The metric of one of `world` ranks sharing a global window of `window` samples:
+    /// each rank keeps `ceil(window / world)` (TorchRec's local window).
+    pub fn for_rank(kind: SumMetricKind, window: usize, world: usize) -> Result<Self, MetricError> {
+        Self::new(kind, window.div_ceil(world.max(1)))
+    }
+
+    /// Which metric.
+    pub fn kind(&self) -> SumMetricKind {
+        self.kind
+    }
+
+    /// The lifetime sums (the mergeable state).
+    pub fn lifetime_state(&self) -> &[f64] {
+        &self.lifetime
+    }
+
+    /// The current window's sums.
+    pub fn window_state(&self) -> &[f64] {
+        &self.window.sums
+    }
+
+    /// Adds another rank's state (lifetime and window sums), as TorchRec's sum reduction:
+    /// computing afterwards gives the values over both ranks' data.
+    pub fn merge(&mut self, other: &SumMetric) -> Result<(), MetricError> {
+        if other.kind != self.kind {
+            return Err(MetricError::Incompatible { ours: self.kind.name(), theirs: other.kind.name() });
+        }
+        self.lifetime.iter_mut().zip(&other.lifetime).for_each(|(a, b)| *a += b);
+        self.window.sums.iter_mut().zip(&other.window.sums).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    /// Lifetime values, named `lifetime_<value>`, then window values, `window_<value>`.
+    pub fn values(&self) -> Vec<(String, f64)> {
+        let names = self.kind.values();
+        let life = self.kind.finish(&self.lifetime);
+        let win = self.kind.finish(&self.window.sums);
+        let mut out: Vec<(String, f64)> = names.iter().zip(life).map(|(n, v)| (format!("lifetime_{n}"), v)).collect();
+        out.extend(names.iter().zip(win).map(|(n, v)| (format!("window_{n}"), v)));
+        out
+    }
+}
+
+impl Metric for SumMetric {
+    fn output_names(&self) -> Vec<String> {
+        self.values().into_iter().map(|(n, _)| n).collect()
+    }
+
+    fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
+        validate_batch(predictions, labels, weights)?;
+        let mut sums = vec![0.0; self.kind.num_sums()];
+        for (i, (&p, &y)) in predictions.iter().zip(labels).enumerate() {
+            self.kind.accumulate(&mut sums, f64::from(p), f64::from(y), weight_at(weights, i));
+        }
+        self.lifetime.iter_mut().zip(&sums).for_each(|(a, b)| *a += b);
+        self.window.push(sums, predictions.len());
+        Ok(())
+    }
+
+    fn compute(&self) -> Vec<(String, f64)> {
+        self.values()
+    }
+
+    fn reset(&mut self) {
+        self.lifetime.iter_mut().for_each(|s| *s = 0.0);
+        self.window.sums.iter_mut().for_each(|s| *s = 0.0);
+        self.window.updates.clear();
+        self.window.samples = 0;
+    }
+}
+
+/// One batch of one task.
+#[derive(Clone, Copy, Debug)]
+pub struct TaskBatch<'a> {
+    /// Predicted probabilities (or regression outputs).
+    pub predictions: &'a [f32],
+    /// Labels.
+    pub labels: &'a [f32],
+    /// Sample weights (`None`: all 1).
+    pub weights: Option<&'a [f32]>,
+}
+
+/// Several metrics over several tasks (TorchRec's `RecMetricModule` for the sum-state
+/// metrics): each metric is computed per task, reported as `<metric>-<task>|<value>`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MultiTaskMetrics {
+    tasks: Vec<String>,
+    /// `metrics[m][t]`: metric `m` of task `t`.
+    metrics: Vec<Vec<SumMetric>>,
+}
+
+impl MultiTaskMetrics {
+    /// `kinds` for each of `tasks`, with a window of `window` samples per task.
+    pub fn new(tasks: &[&str], kinds: &[SumMetricKind], window: usize) -> Result<Self, MetricError> {
+        let metrics = kinds
+            .iter()
+            .map(|&k| tasks.iter().map(|_| SumMetric::new(k, window)).collect::<Result<Vec<_>, _>>())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { tasks: tasks.iter().map(|t| t.to_string()).collect(), metrics })
+    }
+
+    /// The task names.
+    pub fn tasks(&self) -> &[String] {
+        &self.tasks
+    }
+
+    /// Adds one batch: `batch[t]` for task `t`. A rejected batch changes nothing.
+    pub fn update(&mut self, batch: &[TaskBatch<'_>]) -> Result<(), MetricError> {
+        if batch.len() != self.tasks.len() {
+            return Err(MetricError::TaskCount { expected: self.tasks.len(), got: batch.len() });
+        }
+        for b in batch {
+            validate_batch(b.predictions, b.labels, b.weights)?;
+        }
+        for per_task in &mut self.metrics {
+            for (m, b) in per_task.iter_mut().zip(batch) {
+                m.update(b.predictions, b.labels, b.weights)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds another rank's state.
+    pub fn merge(&mut self, other: &MultiTaskMetrics) -> Result<(), MetricError> {
+        if other.tasks != self.tasks || other.metrics.len() != self.metrics.len() {
+            return Err(MetricError::Incompatible { ours: "multi-task metrics", theirs: "other tasks or metrics" });
+        }
+        for (a, b) in self.metrics.iter_mut().zip(&other.metrics) {
+            for (x, y) in a.iter_mut().zip(b) {
+                x.merge(y)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every value, `<metric>-<task>|<lifetime|window>_<value>`.
+    pub fn compute(&self) -> Vec<(String, f64)> {
+        let mut out = Vec::new();
+        for per_task in &self.metrics {
+            for (m, task) in per_task.iter().zip(&self.tasks) {
+                for (name, v) in m.values() {
+                    out.push((format!("{}-{task}|{name}", m.kind().name()), v));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A [`SumMetric`] that reports only its lifetime values, under plain names (`ctr`, `mse`,
+/// `rmse`): for evaluations, which cover a whole split.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LifetimeMetric(SumMetric);
+
+impl LifetimeMetric {
+    /// A fresh lifetime-only metric.
+    pub fn new(kind: SumMetricKind) -> Self {
+        let n = kind.num_sums();
+        let window = Window { max_samples: usize::MAX, sums: vec![0.0; n], updates: VecDeque::new(), samples: 0 };
+        Self(SumMetric { kind, lifetime: vec![0.0; n], window })
+    }
+}
+
+impl Metric for LifetimeMetric {
+    fn output_names(&self) -> Vec<String> {
+        self.0.kind.values().into_iter().map(String::from).collect()
+    }
+
+    fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
+        self.0.update(predictions, labels, weights)
+    }
+
+    fn compute(&self) -> Vec<(String, f64)> {
+        let k = self.0.kind;
+        k.values().into_iter().map(String::from).zip(k.finish(&self.0.lifetime)).collect()
+    }
+
+    fn reset(&mut self) {
+        self.0.reset();
+    }
+}
