@@ -90,7 +90,9 @@ fn every_metric_reports_and_they_agree_with_each_other() {
         ],
     );
     let m = &s.eval;
-    for key in ["ne", "logloss", "auc", "calibration", "ctr", "accuracy", "precision", "recall", "mse", "rmse", "mae"] {
+    for key in
+        ["ne", "logloss", "auc", "auprc", "calibration", "ctr", "accuracy", "precision", "recall", "mse", "rmse", "mae"]
+    {
         assert!(m[key].is_finite(), "{key} = {}", m[key]);
     }
     // Definitions tie the values together: calibration = mean prediction / CTR, rmse = sqrt(mse).

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tch::{Device, Kind, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
-use trainrec_metrics::{AucMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SumMetricKind};
+use trainrec_metrics::{AucMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SplitAuprc, SumMetricKind};
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
@@ -159,6 +159,7 @@ impl Job {
                 match m {
                     MetricSection::Ne { include_logloss } => Box::new(NeMetric::new(*include_logloss)),
                     MetricSection::Auc {} => Box::new(AucMetric::new()),
+                    MetricSection::Auprc {} => Box::new(SplitAuprc::new()),
                     MetricSection::Calibration {} => Box::new(LifetimeMetric::new(SumMetricKind::Calibration)),
                     MetricSection::Ctr {} => Box::new(LifetimeMetric::new(SumMetricKind::Ctr)),
                     MetricSection::Mse {} => Box::new(LifetimeMetric::new(SumMetricKind::Mse)),

@@ -5,10 +5,10 @@ use std::collections::VecDeque;
 use crate::{Metric, MetricError, validate_batch, weight_at};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Sample {
-    prediction: f32,
-    label: f32,
-    weight: f32,
+pub(crate) struct Sample {
+    pub(crate) prediction: f32,
+    pub(crate) label: f32,
+    pub(crate) weight: f32,
 }
 
 /// AUC exactly as TorchRec computes it, in `O(n log n)` over the samples it keeps.
@@ -110,7 +110,7 @@ fn ordered_bits(x: f32) -> u32 {
 /// The samples by descending prediction, ties in input order: sorts one `u64` per sample,
 /// the inverted order-preserving image of the prediction above the sample's index (so the
 /// index breaks ties and an unstable sort is stable), then gathers.
-fn sort_descending(samples: &VecDeque<Sample>) -> Vec<Sample> {
+pub(crate) fn sort_descending(samples: &VecDeque<Sample>) -> Vec<Sample> {
     let mut keys: Vec<u64> =
         samples.iter().enumerate().map(|(i, s)| (u64::from(!ordered_bits(s.prediction)) << 32) | i as u64).collect();
     keys.sort_unstable();

@@ -10,12 +10,14 @@
 //! [`MetricReport`] as an aligned console table or one JSONL line.
 
 mod auc;
+mod auprc;
 pub mod bench;
 mod ne;
 mod rec;
 mod suite;
 
 pub use auc::AucMetric;
+pub use auprc::{AUPRC_BINS, AuprcMetric, SplitAuprc};
 pub use ne::{NE_ETA, NeMetric};
 pub use rec::{LifetimeMetric, MAX_WINDOW_UPDATES, MultiTaskMetrics, SumMetric, SumMetricKind, TaskBatch};
 pub use suite::{MetricReport, MetricSuite, Split, render_table};

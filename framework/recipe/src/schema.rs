@@ -220,6 +220,9 @@ pub enum MetricSection {
     },
     /// Area under the ROC curve, as TorchRec computes it.
     Auc {},
+    /// Area under the precision-recall curve (TorchRec's step-wise definition), exact over
+    /// the eval split.
+    Auprc {},
     /// Calibration: `Σ w p / Σ w y` (1.0 is calibrated; 0 when there are no positives).
     Calibration {},
     /// Click-through rate: the weighted mean label `Σ w y / Σ w`.
