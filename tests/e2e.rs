@@ -59,6 +59,17 @@ fn quickstart_learns_the_planted_signal() {
     for key in ["ne", "logloss", "auc"] {
         assert!(evals[1]["metrics"][key].is_f64(), "{key} missing in {:?}", evals[1]);
     }
+    // The same reports in long-format CSV and a TensorBoard event file.
+    let csv = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
+    assert!(csv.starts_with("step,split,metric,value\n"), "{csv}");
+    assert_eq!(csv.lines().filter(|l| l.starts_with("400,eval,")).count(), 3, "{csv}");
+    let events: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents."))
+        .collect();
+    assert_eq!(events.len(), 1);
+    assert!(std::fs::metadata(events[0].path()).unwrap().len() > 200);
 }
 
 #[test]

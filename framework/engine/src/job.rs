@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tch::{Device, Kind, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
+use trainrec_metrics::sinks::{CsvSink, TensorBoardSink};
 use trainrec_metrics::{AucMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SplitAuprc, SumMetricKind};
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
@@ -322,15 +323,28 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), EngineError> {
 
 /// `metrics.jsonl`: one JSON object per line, each line written whole and flushed, so the file
 /// is valid JSONL at every moment (also when a run stops on an error).
+/// The run directory's metric files: `metrics.jsonl`, `metrics.csv` and a TensorBoard event
+/// file (`tensorboard --logdir runs/`).
 struct MetricsLog {
     path: PathBuf,
     out: BufWriter<File>,
+    csv: CsvSink,
+    tb: TensorBoardSink,
+    dir: PathBuf,
 }
 
 impl MetricsLog {
     fn create(path: &Path) -> Result<Self, EngineError> {
-        let file = File::create(path).map_err(|e| EngineError::Io { path: path.to_path_buf(), source: e })?;
-        Ok(Self { path: path.to_path_buf(), out: BufWriter::new(file) })
+        let io = |p: &Path| {
+            let p = p.to_path_buf();
+            move |e| EngineError::Io { path: p, source: e }
+        };
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let file = File::create(path).map_err(io(path))?;
+        let csv_path = dir.join("metrics.csv");
+        let csv = CsvSink::create(&csv_path).map_err(io(&csv_path))?;
+        let tb = TensorBoardSink::create(&dir).map_err(io(&dir))?;
+        Ok(Self { path: path.to_path_buf(), out: BufWriter::new(file), csv, tb, dir })
     }
 
     fn write(&mut self, step: u64, split: &str, metrics: &BTreeMap<String, f64>) -> Result<(), EngineError> {
@@ -339,7 +353,12 @@ impl MetricsLog {
         self.out
             .write_all(line.as_bytes())
             .and_then(|_| self.out.flush())
-            .map_err(|e| EngineError::Io { path: self.path.clone(), source: e })
+            .map_err(|e| EngineError::Io { path: self.path.clone(), source: e })?;
+        let pairs = || metrics.iter().map(|(k, v)| (k.as_str(), *v));
+        self.csv
+            .write(step, split, pairs())
+            .map_err(|e| EngineError::Io { path: self.dir.join("metrics.csv"), source: e })?;
+        self.tb.write(step, split, pairs()).map_err(|e| EngineError::Io { path: self.dir.clone(), source: e })
     }
 
     fn finish(mut self) -> Result<(), EngineError> {

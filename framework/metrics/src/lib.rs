@@ -14,6 +14,7 @@ mod auprc;
 pub mod bench;
 mod ne;
 mod rec;
+pub mod sinks;
 mod suite;
 
 pub use auc::AucMetric;
