@@ -99,6 +99,32 @@ impl AucMetric {
     }
 }
 
+/// Appends a validated batch to `samples` and keeps only the latest `window` of them (all for
+/// `None`): TorchRec's sample window of AUC and AUPRC.
+pub(crate) fn push_window(
+    samples: &mut VecDeque<Sample>,
+    window: Option<usize>,
+    predictions: &[f32],
+    labels: &[f32],
+    weights: Option<&[f32]>,
+) {
+    // Only the tail of a batch larger than the window can survive.
+    let skip = window.map_or(0, |w| predictions.len().saturating_sub(w));
+    samples.reserve(predictions.len() - skip);
+    for i in skip..predictions.len() {
+        samples.push_back(Sample {
+            prediction: predictions[i],
+            label: labels[i],
+            // Weights were checked finite; an absent weight is 1.
+            weight: weight_at(weights, i) as f32,
+        });
+    }
+    if let Some(window) = window {
+        let excess = samples.len().saturating_sub(window);
+        samples.drain(..excess);
+    }
+}
+
 /// `f32` → `u32` such that the integer order is the float order (finite values).
 #[inline]
 fn ordered_bits(x: f32) -> u32 {
@@ -124,21 +150,7 @@ impl Metric for AucMetric {
 
     fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
         validate_batch(predictions, labels, weights)?;
-        // Only the tail of a batch larger than the window can survive.
-        let skip = self.window.map_or(0, |w| predictions.len().saturating_sub(w));
-        self.samples.reserve(predictions.len() - skip);
-        for i in skip..predictions.len() {
-            self.samples.push_back(Sample {
-                prediction: predictions[i],
-                label: labels[i],
-                // Weights were checked finite; an absent weight is 1.
-                weight: weight_at(weights, i) as f32,
-            });
-        }
-        if let Some(window) = self.window {
-            let excess = self.samples.len().saturating_sub(window);
-            self.samples.drain(..excess);
-        }
+        push_window(&mut self.samples, self.window, predictions, labels, weights);
         Ok(())
     }
 

@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 
-use crate::auc::{Sample, sort_descending};
+use crate::auc::{Sample, push_window, sort_descending};
 use crate::{Metric, MetricError, validate_batch, weight_at};
 
 /// TorchRec's default number of lifetime histogram bins over `[0, 1]`.
@@ -117,10 +117,8 @@ impl Metric for AuprcMetric {
             let bin = ((p * AUPRC_BINS as f32) as i64).clamp(0, AUPRC_BINS as i64 - 1) as usize;
             self.positive[bin] += w * f64::from(y);
             self.negative[bin] += w * (1.0 - f64::from(y));
-            self.samples.push_back(Sample { prediction: p, label: y, weight: w as f32 });
         }
-        let excess = self.samples.len().saturating_sub(self.window);
-        self.samples.drain(..excess);
+        push_window(&mut self.samples, Some(self.window), predictions, labels, weights);
         Ok(())
     }
 

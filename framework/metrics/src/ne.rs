@@ -5,6 +5,32 @@ use crate::{Metric, MetricError, validate_batch, weight_at};
 /// The clamp TorchRec applies to predictions, the mean label and denominators (`eta`).
 pub const NE_ETA: f64 = 1e-12;
 
+/// One sample's weighted cross entropy in bits, `-w y log2(q) - w (1 - y) log2(1 - q)` with
+/// `q` the prediction clamped to `[eta, 1 - eta]`. A hard label zeroes one term, whose
+/// logarithm is then skipped (same value, half the work).
+#[inline]
+pub(crate) fn cross_entropy(p: f64, y: f64, w: f64) -> f64 {
+    let q = p.clamp(NE_ETA, 1.0 - NE_ETA);
+    if y == 1.0 {
+        -w * q.log2()
+    } else if y == 0.0 {
+        -w * (1.0 - q).log2()
+    } else {
+        -w * y * q.log2() - w * (1.0 - y) * (1.0 - q).log2()
+    }
+}
+
+/// NE from the four sums (cross entropy, weight, positive and negative weight).
+pub(crate) fn ne_from_sums(ce: f64, weighted: f64, pos: f64, neg: f64) -> f64 {
+    let mean_label = (pos / weighted.max(NE_ETA)).clamp(NE_ETA, 1.0 - NE_ETA);
+    ce / (-pos * mean_label.log2() - neg * (1.0 - mean_label).log2())
+}
+
+/// TorchRec's log loss from the cross-entropy and label sums.
+pub(crate) fn logloss_from_sums(ce: f64, pos: f64, neg: f64) -> f64 {
+    ce / (pos + neg).max(NE_ETA)
+}
+
 /// Normalized entropy, optionally with log loss, exactly as TorchRec defines them.
 ///
 /// Per sample, with the prediction clamped to `p = clamp(prediction, eta, 1 - eta)`,
@@ -56,15 +82,12 @@ impl NeMetric {
 
     /// The normalized entropy of everything accumulated so far.
     pub fn ne(&self) -> f64 {
-        let weighted = self.weighted_num_samples.max(NE_ETA);
-        let mean_label = (self.pos / weighted).clamp(NE_ETA, 1.0 - NE_ETA);
-        let norm = -self.pos * mean_label.log2() - self.neg * (1.0 - mean_label).log2();
-        self.ce_sum / norm
+        ne_from_sums(self.ce_sum, self.weighted_num_samples, self.pos, self.neg)
     }
 
     /// TorchRec's log loss (mean base-2 cross entropy) of everything accumulated so far.
     pub fn logloss(&self) -> f64 {
-        self.ce_sum / (self.pos + self.neg).max(NE_ETA)
+        logloss_from_sums(self.ce_sum, self.pos, self.neg)
     }
 
     /// The weighted cross-entropy sum (bits) accumulated so far.
@@ -91,10 +114,9 @@ impl Metric for NeMetric {
         validate_batch(predictions, labels, weights)?;
         let (mut ce, mut wsum, mut pos, mut neg) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
         for (i, (&p, &y)) in predictions.iter().zip(labels).enumerate() {
-            let p = f64::from(p).clamp(NE_ETA, 1.0 - NE_ETA);
             let y = f64::from(y);
             let w = weight_at(weights, i);
-            ce += -w * y * p.log2() - w * (1.0 - y) * (1.0 - p).log2();
+            ce += cross_entropy(f64::from(p), y, w);
             wsum += w;
             pos += w * y;
             neg += w * (1.0 - y);

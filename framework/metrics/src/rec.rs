@@ -11,7 +11,8 @@
 
 use std::collections::VecDeque;
 
-use crate::{Metric, MetricError, NE_ETA, validate_batch, weight_at};
+use crate::ne::{cross_entropy, logloss_from_sums, ne_from_sums};
+use crate::{Metric, MetricError, validate_batch, weight_at};
 
 /// TorchRec's `MAX_BUFFER_COUNT`: updates a window remembers at most.
 pub const MAX_WINDOW_UPDATES: usize = 1000;
@@ -89,15 +90,7 @@ impl SumMetricKind {
     fn accumulate(&self, s: &mut [f64], p: f64, y: f64, w: f64) {
         match *self {
             Self::Ne { .. } => {
-                let q = p.clamp(NE_ETA, 1.0 - NE_ETA);
-                // A hard label zeroes one of the two terms: skip its logarithm (same value).
-                s[0] += if y == 1.0 {
-                    -w * q.log2()
-                } else if y == 0.0 {
-                    -w * (1.0 - q).log2()
-                } else {
-                    -w * y * q.log2() - w * (1.0 - y) * (1.0 - q).log2()
-                };
+                s[0] += cross_entropy(p, y, w);
                 s[1] += w;
                 s[2] += w * y;
                 s[3] += w * (1.0 - y);
@@ -150,11 +143,9 @@ impl SumMetricKind {
         match *self {
             Self::Ne { include_logloss } => {
                 let (ce, n, pos, neg) = (s[0], s[1], s[2], s[3]);
-                let mean_label = (pos / n.max(NE_ETA)).clamp(NE_ETA, 1.0 - NE_ETA);
-                let ne = ce / (-pos * mean_label.log2() - neg * (1.0 - mean_label).log2());
-                let mut v = vec![ne];
+                let mut v = vec![ne_from_sums(ce, n, pos, neg)];
                 if include_logloss {
-                    v.push(ce / (pos + neg).max(NE_ETA));
+                    v.push(logloss_from_sums(ce, pos, neg));
                 }
                 v
             }
@@ -254,6 +245,16 @@ impl SumMetric {
         Ok(())
     }
 
+    /// Adds a batch [`validate_batch`] has accepted.
+    fn add_valid(&mut self, b: TaskBatch<'_>) {
+        let mut sums = vec![0.0; self.kind.num_sums()];
+        for (i, (&p, &y)) in b.predictions.iter().zip(b.labels).enumerate() {
+            self.kind.accumulate(&mut sums, f64::from(p), f64::from(y), weight_at(b.weights, i));
+        }
+        self.lifetime.iter_mut().zip(&sums).for_each(|(a, b)| *a += b);
+        self.window.push(sums, b.predictions.len());
+    }
+
     /// Lifetime values, named `lifetime_<value>`, then window values, `window_<value>`.
     pub fn values(&self) -> Vec<(String, f64)> {
         let names = self.kind.values();
@@ -272,12 +273,7 @@ impl Metric for SumMetric {
 
     fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
         validate_batch(predictions, labels, weights)?;
-        let mut sums = vec![0.0; self.kind.num_sums()];
-        for (i, (&p, &y)) in predictions.iter().zip(labels).enumerate() {
-            self.kind.accumulate(&mut sums, f64::from(p), f64::from(y), weight_at(weights, i));
-        }
-        self.lifetime.iter_mut().zip(&sums).for_each(|(a, b)| *a += b);
-        self.window.push(sums, predictions.len());
+        self.add_valid(TaskBatch { predictions, labels, weights });
         Ok(())
     }
 
@@ -336,9 +332,10 @@ impl MultiTaskMetrics {
         for b in batch {
             validate_batch(b.predictions, b.labels, b.weights)?;
         }
+        // Validated once per task above, so every metric takes the batch or none does.
         for per_task in &mut self.metrics {
             for (m, b) in per_task.iter_mut().zip(batch) {
-                m.update(b.predictions, b.labels, b.weights)?;
+                m.add_valid(*b);
             }
         }
         Ok(())
