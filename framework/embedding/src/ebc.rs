@@ -4,6 +4,7 @@ use rayon::prelude::*;
 use trainrec_sparse::{KeyedJaggedTensor, KeyedTensor};
 
 use crate::collection::{Core, dispatch};
+use crate::tbe::PoolArgs;
 use crate::{BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig};
 
 /// Unsharded pooled embedding lookups over several tables, with the sparse optimizer fused
@@ -109,10 +110,16 @@ impl EmbeddingBagCollection {
             for (o, &k) in core.outputs.iter().zip(&keys) {
                 let t = &core.tables[o.table];
                 let f = kjt.feature(k);
-                let mean = t.config.pooling == PoolingMode::Mean;
-                dispatch!(&core.groups[t.group], g => g.pool(
-                    t.local, f.values, |b| f.bag_start(b), f.weights, b0, rows, width, o.column, mean,
-                ));
+                let p = PoolArgs {
+                    values: f.values,
+                    weights: f.weights,
+                    b0,
+                    n: rows.len() / width.max(1),
+                    width,
+                    col: o.column,
+                    mean: t.config.pooling == PoolingMode::Mean,
+                };
+                dispatch!(&core.groups[t.group], g => g.pool(t.local, |b| f.bag_start(b), &p, rows));
             }
         });
         KeyedTensor::new(self.output_keys(), self.output_dims(), out, batch)

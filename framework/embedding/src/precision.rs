@@ -41,48 +41,34 @@ impl Weight for f32 {
 
 /// A 16-bit float whose positive values are ordered like their bit patterns (true of both
 /// IEEE half and bfloat16), so the neighbours of a value are one bit pattern apart.
-trait Half16: Copy {
-    fn rne(x: f32) -> Self;
+trait Bits16: Weight {
     fn bits(self) -> u16;
     fn from_bits(bits: u16) -> Self;
-    fn widen(self) -> f32;
 }
 
-impl Half16 for f16 {
-    fn rne(x: f32) -> Self {
-        f16::from_f32(x)
-    }
+impl Bits16 for f16 {
     fn bits(self) -> u16 {
         self.to_bits()
     }
     fn from_bits(bits: u16) -> Self {
         f16::from_bits(bits)
     }
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
 }
 
-impl Half16 for bf16 {
-    fn rne(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
+impl Bits16 for bf16 {
     fn bits(self) -> u16 {
         self.to_bits()
     }
     fn from_bits(bits: u16) -> Self {
         bf16::from_bits(bits)
     }
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
 }
 
 /// Stochastic rounding through the two neighbours of `x`.
 #[inline]
-fn stochastic<H: Half16>(x: f32, u: u16) -> H {
-    let nearest = H::rne(x);
-    let n = nearest.widen();
+fn stochastic<H: Bits16>(x: f32, u: u16) -> H {
+    let nearest = H::from_f32(x);
+    let n = nearest.to_f32();
     if n == x || !x.is_finite() {
         return nearest;
     }
@@ -96,7 +82,7 @@ fn stochastic<H: Half16>(x: f32, u: u16) -> H {
     } else {
         (H::from_bits(nearest.bits() - 1), nearest)
     };
-    let (l, h) = (lo.widen().abs(), hi.widen().abs());
+    let (l, h) = (lo.to_f32().abs(), hi.to_f32().abs());
     if !h.is_finite() || h == l {
         return lo;
     }

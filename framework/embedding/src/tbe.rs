@@ -37,15 +37,16 @@ pub(crate) struct Slot {
     pub spr: usize,
 }
 
-/// The bags one pooling call covers.
-struct PoolArgs<'a> {
-    values: &'a [i64],
-    weights: Option<&'a [f32]>,
-    b0: usize,
-    n: usize,
-    width: usize,
-    col: usize,
-    mean: bool,
+/// The bags one pooling call covers: `n` bags from `b0` of one feature (its `values` and
+/// per-id `weights`), written to columns `col..` of `width`-wide output rows, mean-pooled or not.
+pub(crate) struct PoolArgs<'a> {
+    pub values: &'a [i64],
+    pub weights: Option<&'a [f32]>,
+    pub b0: usize,
+    pub n: usize,
+    pub width: usize,
+    pub col: usize,
+    pub mean: bool,
 }
 
 /// The tables of one group.
@@ -183,73 +184,34 @@ impl<T: Weight + Pod> Tbe<T> {
         &self.weights.as_slice()[s.w_off..s.w_off + s.rows as usize * s.dim]
     }
 
-    /// Pools bags `b0..b0 + n` of one feature of table `t` into `out` (rows of `width` floats
-    /// starting at bag `b0`), columns `col..col + dim`, which must be zero.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn pool(
-        &self,
-        t: usize,
-        values: &[i64],
-        starts: impl Fn(usize) -> usize,
-        weights: Option<&[f32]>,
-        b0: usize,
-        out: &mut [f32],
-        width: usize,
-        col: usize,
-        mean: bool,
-    ) {
+    /// Pools the bags `p` describes of one feature of table `t` into `out` (rows of
+    /// `p.width` floats starting at bag `p.b0`), columns `p.col..p.col + dim`, which must be zero.
+    pub(crate) fn pool(&self, t: usize, starts: impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-            return unsafe { self.pool_avx2(t, values, starts, weights, b0, out, width, col, mean) };
+            return unsafe { self.pool_avx2(t, &starts, p, out) };
         }
-        self.pool_impl(t, values, starts, weights, b0, out, width, col, mean)
+        self.pool_impl(t, &starts, p, out)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    fn pool_avx2(
-        &self,
-        t: usize,
-        values: &[i64],
-        starts: impl Fn(usize) -> usize,
-        weights: Option<&[f32]>,
-        b0: usize,
-        out: &mut [f32],
-        width: usize,
-        col: usize,
-        mean: bool,
-    ) {
-        self.pool_impl(t, values, starts, weights, b0, out, width, col, mean)
+    fn pool_avx2(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
+        self.pool_impl(t, starts, p, out)
     }
 
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn pool_impl(
-        &self,
-        t: usize,
-        values: &[i64],
-        starts: impl Fn(usize) -> usize,
-        weights: Option<&[f32]>,
-        b0: usize,
-        out: &mut [f32],
-        width: usize,
-        col: usize,
-        mean: bool,
-    ) {
-        let dim = self.slots[t].dim;
-        let n = out.len() / width.max(1);
-        let p = PoolArgs { values, weights, b0, n, width, col, mean };
+    fn pool_impl(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
         // Common dims get a copy whose accumulator lives in registers for the whole bag.
-        match dim {
-            4 => self.pool_fixed::<4>(t, &starts, &p, out),
-            8 => self.pool_fixed::<8>(t, &starts, &p, out),
-            16 => self.pool_fixed::<16>(t, &starts, &p, out),
-            32 => self.pool_fixed::<32>(t, &starts, &p, out),
-            64 => self.pool_fixed::<64>(t, &starts, &p, out),
-            128 => self.pool_fixed::<128>(t, &starts, &p, out),
-            _ => self.pool_any(t, &starts, &p, out),
+        match self.slots[t].dim {
+            4 => self.pool_fixed::<4>(t, starts, p, out),
+            8 => self.pool_fixed::<8>(t, starts, p, out),
+            16 => self.pool_fixed::<16>(t, starts, p, out),
+            32 => self.pool_fixed::<32>(t, starts, p, out),
+            64 => self.pool_fixed::<64>(t, starts, p, out),
+            128 => self.pool_fixed::<128>(t, starts, p, out),
+            _ => self.pool_any(t, starts, p, out),
         }
     }
 
