@@ -1,15 +1,9 @@
 //! Area under the ROC curve (TorchRec `torchrec/metrics/auc.py`).
 
-use std::collections::VecDeque;
+use std::collections::HashMap;
 
-use crate::{Metric, MetricError, validate_batch, weight_at};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Sample {
-    pub(crate) prediction: f32,
-    pub(crate) label: f32,
-    pub(crate) weight: f32,
-}
+use crate::window::SampleWindow;
+use crate::{Metric, MetricError, TaskBatch, validate_batch};
 
 /// AUC exactly as TorchRec computes it, in `O(n log n)` over the samples it keeps.
 ///
@@ -40,10 +34,16 @@ pub(crate) struct Sample {
 /// on ties is unspecified; scikit-learn instead merges ties and credits half a pair. Without
 /// ties the value equals the weighted fraction of (positive, negative) pairs ordered
 /// correctly.
+///
+/// **Grouped AUC** ([`AucMetric::grouped`], TorchRec's `grouped_auc = True`): each batch also
+/// carries a grouping key per sample (a user or session, from the sampler); `grouped_auc` is
+/// the unweighted mean over the groups in the window of each group's AUC (0.5 for a group with
+/// one class), reported next to `auc`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AucMetric {
     window: Option<usize>,
-    samples: VecDeque<Sample>,
+    samples: SampleWindow,
+    grouped: bool,
 }
 
 impl Default for AucMetric {
@@ -55,7 +55,13 @@ impl Default for AucMetric {
 impl AucMetric {
     /// An AUC over every sample since construction or the last reset.
     pub fn new() -> Self {
-        Self { window: None, samples: VecDeque::new() }
+        Self { window: None, samples: SampleWindow::new(false), grouped: false }
+    }
+
+    /// Also reports `grouped_auc`; every batch must then carry grouping keys
+    /// ([`Metric::update_batch`]).
+    pub fn grouped(self) -> Self {
+        Self { samples: SampleWindow::new(true), grouped: true, ..self }
     }
 
     /// An AUC over the most recent `window` samples (older samples are dropped).
@@ -63,7 +69,7 @@ impl AucMetric {
         if window == 0 {
             return Err(MetricError::EmptyWindow);
         }
-        Ok(Self { window: Some(window), samples: VecDeque::new() })
+        Ok(Self { window: Some(window), samples: SampleWindow::new(false), grouped: false })
     }
 
     /// The window size in samples, or `None` when every sample is kept.
@@ -78,84 +84,81 @@ impl AucMetric {
 
     /// The AUC of the samples currently kept.
     pub fn auc(&self) -> f64 {
-        if self.samples.is_empty() {
+        let mut curve = Curve::default();
+        self.samples.sweep(false, |v| curve.add(v.label, v.weight));
+        curve.auc()
+    }
+
+    /// The mean of the per-group AUCs of the samples currently kept (0.5 without samples).
+    pub fn grouped_auc(&self) -> f64 {
+        let mut curves: HashMap<i64, Curve> = HashMap::new();
+        self.samples.sweep(true, |v| curves.entry(self.samples.group(v.index)).or_default().add(v.label, v.weight));
+        if curves.is_empty() {
             return 0.5;
         }
-        // Descending by prediction, ties in arrival order.
-        let sorted = sort_descending(&self.samples);
-        let (mut tp, mut fp, mut area) = (0.0f64, 0.0f64, 0.0f64);
-        for s in &sorted {
-            let w = f64::from(s.weight);
-            let y = f64::from(s.label);
-            let (tp_prev, fp_prev) = (tp, fp);
-            tp += w * y;
-            fp += w * (1.0 - y);
-            area += (fp - fp_prev) * (tp + tp_prev) * 0.5;
-        }
-        if fp * tp == 0.0 {
-            return 0.5;
-        }
-        area / fp / tp
+        // Sum in key order: the value does not depend on the hash map's iteration order.
+        let mut per_group: Vec<(i64, f64)> = curves.iter().map(|(&g, c)| (g, c.auc())).collect();
+        per_group.sort_unstable_by_key(|&(g, _)| g);
+        per_group.iter().map(|&(_, a)| a).sum::<f64>() / per_group.len() as f64
     }
 }
 
-/// Appends a validated batch to `samples` and keeps only the latest `window` of them (all for
-/// `None`): TorchRec's sample window of AUC and AUPRC.
-pub(crate) fn push_window(
-    samples: &mut VecDeque<Sample>,
-    window: Option<usize>,
-    predictions: &[f32],
-    labels: &[f32],
-    weights: Option<&[f32]>,
-) {
-    // Only the tail of a batch larger than the window can survive.
-    let skip = window.map_or(0, |w| predictions.len().saturating_sub(w));
-    samples.reserve(predictions.len() - skip);
-    for i in skip..predictions.len() {
-        samples.push_back(Sample {
-            prediction: predictions[i],
-            label: labels[i],
-            // Weights were checked finite; an absent weight is 1.
-            weight: weight_at(weights, i) as f32,
-        });
-    }
-    if let Some(window) = window {
-        let excess = samples.len().saturating_sub(window);
-        samples.drain(..excess);
-    }
+/// The trapezoid integration of the ROC curve, one sample at a time in descending order.
+#[derive(Clone, Copy, Debug, Default)]
+struct Curve {
+    tp: f64,
+    fp: f64,
+    area: f64,
 }
 
-/// `f32` → `u32` such that the integer order is the float order (finite values).
-#[inline]
-fn ordered_bits(x: f32) -> u32 {
-    // -0.0 and 0.0 are equal predictions (a tie), as `partial_cmp` has them.
-    let b = if x == 0.0 { 0 } else { x.to_bits() };
-    if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
-}
+impl Curve {
+    #[inline]
+    fn add(&mut self, label: f32, weight: f32) {
+        let (w, y) = (f64::from(weight), f64::from(label));
+        let tp_prev = self.tp;
+        self.tp += w * y;
+        let dfp = w * (1.0 - y);
+        self.fp += dfp;
+        self.area += dfp * (self.tp + tp_prev) * 0.5;
+    }
 
-/// The samples by descending prediction, ties in input order: sorts one `u64` per sample,
-/// the inverted order-preserving image of the prediction above the sample's index (so the
-/// index breaks ties and an unstable sort is stable), then gathers.
-pub(crate) fn sort_descending(samples: &VecDeque<Sample>) -> Vec<Sample> {
-    let mut keys: Vec<u64> =
-        samples.iter().enumerate().map(|(i, s)| (u64::from(!ordered_bits(s.prediction)) << 32) | i as u64).collect();
-    keys.sort_unstable();
-    keys.into_iter().map(|k| samples[(k & 0xffff_ffff) as usize]).collect()
+    fn auc(&self) -> f64 {
+        if self.fp * self.tp == 0.0 { 0.5 } else { self.area / self.fp / self.tp }
+    }
 }
 
 impl Metric for AucMetric {
     fn output_names(&self) -> Vec<String> {
-        vec!["auc".to_owned()]
+        let mut names = vec!["auc".to_owned()];
+        if self.grouped {
+            names.push("grouped_auc".to_owned());
+        }
+        names
     }
 
     fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
-        validate_batch(predictions, labels, weights)?;
-        push_window(&mut self.samples, self.window, predictions, labels, weights);
+        self.update_batch(&TaskBatch { predictions, labels, weights, groups: None })
+    }
+
+    fn update_batch(&mut self, b: &TaskBatch<'_>) -> Result<(), MetricError> {
+        validate_batch(b.predictions, b.labels, b.weights)?;
+        if self.grouped {
+            crate::check_groups("grouped_auc", b)?;
+        }
+        self.samples.push(self.window, b.predictions, b.labels, b.weights, b.groups);
         Ok(())
     }
 
+    fn needs_groups(&self) -> bool {
+        self.grouped
+    }
+
     fn compute(&self) -> Vec<(String, f64)> {
-        vec![("auc".to_owned(), self.auc())]
+        let mut out = vec![("auc".to_owned(), self.auc())];
+        if self.grouped {
+            out.push(("grouped_auc".to_owned(), self.grouped_auc()));
+        }
+        out
     }
 
     fn reset(&mut self) {

@@ -1,8 +1,6 @@
 //! Area under the precision-recall curve (TorchRec `torchrec/metrics/auprc.py`).
 
-use std::collections::VecDeque;
-
-use crate::auc::{Sample, push_window, sort_descending};
+use crate::window::SampleWindow;
 use crate::{Metric, MetricError, validate_batch, weight_at};
 
 /// TorchRec's default number of lifetime histogram bins over `[0, 1]`.
@@ -23,7 +21,7 @@ pub const AUPRC_BINS: usize = 1000;
 #[derive(Clone, Debug, PartialEq)]
 pub struct AuprcMetric {
     window: usize,
-    samples: VecDeque<Sample>,
+    samples: SampleWindow,
     positive: Vec<f64>,
     negative: Vec<f64>,
     invalid: bool,
@@ -37,7 +35,7 @@ impl AuprcMetric {
         }
         Ok(Self {
             window,
-            samples: VecDeque::new(),
+            samples: SampleWindow::new(false),
             positive: vec![0.0; AUPRC_BINS],
             negative: vec![0.0; AUPRC_BINS],
             invalid: false,
@@ -46,16 +44,21 @@ impl AuprcMetric {
 
     /// Exact AUPRC of the samples in the window.
     pub fn window_auprc(&self) -> f64 {
-        let sorted = sort_descending(&self.samples);
         let (mut tp, mut fp) = (0.0f64, 0.0f64);
         let mut points = Vec::new();
-        for (i, s) in sorted.iter().enumerate() {
-            let (w, y) = (f64::from(s.weight), f64::from(s.label));
-            tp += w * y;
-            fp += w * (1.0 - y);
-            if sorted.get(i + 1).is_none_or(|n| n.prediction != s.prediction) {
+        let mut last_key = None;
+        self.samples.sweep(false, |v| {
+            // A point at the last sample of each distinct prediction: close the previous one.
+            if last_key.is_some_and(|k| k != v.key) {
                 points.push((tp, fp));
             }
+            last_key = Some(v.key);
+            let (w, y) = (f64::from(v.weight), f64::from(v.label));
+            tp += w * y;
+            fp += w * (1.0 - y);
+        });
+        if last_key.is_some() {
+            points.push((tp, fp));
         }
         riemann(&points, tp)
     }
@@ -118,7 +121,7 @@ impl Metric for AuprcMetric {
             self.positive[bin] += w * f64::from(y);
             self.negative[bin] += w * (1.0 - f64::from(y));
         }
-        push_window(&mut self.samples, Some(self.window), predictions, labels, weights);
+        self.samples.push(Some(self.window), predictions, labels, weights, None);
         Ok(())
     }
 
@@ -150,7 +153,7 @@ impl SplitAuprc {
     pub fn new() -> Self {
         Self(AuprcMetric {
             window: usize::MAX,
-            samples: VecDeque::new(),
+            samples: SampleWindow::new(false),
             positive: vec![0.0; AUPRC_BINS],
             negative: vec![0.0; AUPRC_BINS],
             invalid: false,

@@ -12,10 +12,12 @@
 mod auc;
 mod auprc;
 pub mod bench;
+mod kernels;
 mod ne;
 mod rec;
 pub mod sinks;
 mod suite;
+mod window;
 
 pub use auc::AucMetric;
 pub use auprc::{AUPRC_BINS, AuprcMetric, SplitAuprc};
@@ -89,6 +91,23 @@ pub enum MetricError {
         /// Batches given.
         got: usize,
     },
+    /// A metric that ranks within groups (grouped AUC, NDCG, session recall) got a batch
+    /// without grouping keys.
+    #[error("{metric} needs a grouping key per sample (a user or session id from the sampler), but the batch has none")]
+    MissingGroups {
+        /// The metric.
+        metric: &'static str,
+    },
+    /// The grouping keys do not match the predictions.
+    #[error("{metric}: the batch has {len} grouping keys for {predictions} predictions")]
+    GroupLength {
+        /// The metric.
+        metric: &'static str,
+        /// Keys given.
+        len: usize,
+        /// Predictions.
+        predictions: usize,
+    },
     /// Serialising a report failed.
     #[error("could not serialise the metric report: {0}")]
     Json(#[from] serde_json::Error),
@@ -104,6 +123,19 @@ pub trait Metric: Send {
 
     /// Adds one batch. `weights` of `None` means every sample has weight 1.
     fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError>;
+
+    /// Adds one batch with its grouping keys (see [`TaskBatch::groups`]). Metrics that rank
+    /// within groups override it (and report [`Metric::needs_groups`]); the others ignore the
+    /// keys.
+    fn update_batch(&mut self, batch: &TaskBatch<'_>) -> Result<(), MetricError> {
+        self.update(batch.predictions, batch.labels, batch.weights)
+    }
+
+    /// Whether every batch must carry grouping keys (then [`Metric::update`] fails with
+    /// [`MetricError::MissingGroups`]).
+    fn needs_groups(&self) -> bool {
+        false
+    }
 
     /// The metric values over everything accumulated since construction or the last reset.
     fn compute(&self) -> Vec<(String, f64)>;
@@ -124,6 +156,10 @@ pub fn validate_batch(predictions: &[f32], labels: &[f32], weights: Option<&[f32
     {
         return Err(MetricError::LengthMismatch { what: "weights", len: w.len(), predictions: n });
     }
+    if kernels::batch_is_clean(predictions, labels, weights).0 {
+        return Ok(());
+    }
+    // Something is wrong: find the first bad value to name it.
     for (index, &value) in predictions.iter().enumerate() {
         if !value.is_finite() {
             return Err(MetricError::NonFinite { what: "predictions", index, value });
@@ -148,6 +184,17 @@ pub fn validate_batch(predictions: &[f32], labels: &[f32], weights: Option<&[f32
         }
     }
     Ok(())
+}
+
+/// Checks that `batch` has one grouping key per prediction, for `metric`.
+pub(crate) fn check_groups(metric: &'static str, batch: &TaskBatch<'_>) -> Result<(), MetricError> {
+    match batch.groups {
+        None => Err(MetricError::MissingGroups { metric }),
+        Some(g) if g.len() != batch.predictions.len() => {
+            Err(MetricError::GroupLength { metric, len: g.len(), predictions: batch.predictions.len() })
+        }
+        Some(_) => Ok(()),
+    }
 }
 
 /// The weight of sample `i`: 1 when the batch has no weights.

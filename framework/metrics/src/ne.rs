@@ -1,6 +1,6 @@
 //! Normalized entropy and log loss (TorchRec `torchrec/metrics/ne.py`).
 
-use crate::{Metric, MetricError, validate_batch, weight_at};
+use crate::{Metric, MetricError, validate_batch};
 
 /// The clamp TorchRec applies to predictions, the mean label and denominators (`eta`).
 pub const NE_ETA: f64 = 1e-12;
@@ -112,15 +112,8 @@ impl Metric for NeMetric {
 
     fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
         validate_batch(predictions, labels, weights)?;
-        let (mut ce, mut wsum, mut pos, mut neg) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-        for (i, (&p, &y)) in predictions.iter().zip(labels).enumerate() {
-            let y = f64::from(y);
-            let w = weight_at(weights, i);
-            ce += cross_entropy(f64::from(p), y, w);
-            wsum += w;
-            pos += w * y;
-            neg += w * (1.0 - y);
-        }
+        let [ce, wsum, pos, neg] =
+            crate::kernels::ne_sums(predictions, labels, weights, crate::kernels::all_hard(labels));
         self.ce_sum += ce;
         self.weighted_num_samples += wsum;
         self.pos += pos;

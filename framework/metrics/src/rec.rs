@@ -12,7 +12,7 @@
 use std::collections::VecDeque;
 
 use crate::ne::{cross_entropy, logloss_from_sums, ne_from_sums};
-use crate::{Metric, MetricError, validate_batch, weight_at};
+use crate::{Metric, MetricError, kernels, validate_batch, weight_at};
 
 /// TorchRec's `MAX_BUFFER_COUNT`: updates a window remembers at most.
 pub const MAX_WINDOW_UPDATES: usize = 1000;
@@ -247,10 +247,15 @@ impl SumMetric {
 
     /// Adds a batch [`validate_batch`] has accepted.
     fn add_valid(&mut self, b: TaskBatch<'_>) {
-        let mut sums = vec![0.0; self.kind.num_sums()];
-        for (i, (&p, &y)) in b.predictions.iter().zip(b.labels).enumerate() {
-            self.kind.accumulate(&mut sums, f64::from(p), f64::from(y), weight_at(b.weights, i));
-        }
+        let sums = if let SumMetricKind::Ne { .. } = self.kind {
+            kernels::ne_sums(b.predictions, b.labels, b.weights, kernels::all_hard(b.labels)).to_vec()
+        } else {
+            let mut sums = vec![0.0; self.kind.num_sums()];
+            for (i, (&p, &y)) in b.predictions.iter().zip(b.labels).enumerate() {
+                self.kind.accumulate(&mut sums, f64::from(p), f64::from(y), weight_at(b.weights, i));
+            }
+            sums
+        };
         self.lifetime.iter_mut().zip(&sums).for_each(|(a, b)| *a += b);
         self.window.push(sums, b.predictions.len());
     }
@@ -273,7 +278,7 @@ impl Metric for SumMetric {
 
     fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
         validate_batch(predictions, labels, weights)?;
-        self.add_valid(TaskBatch { predictions, labels, weights });
+        self.add_valid(TaskBatch::new(predictions, labels, weights));
         Ok(())
     }
 
@@ -298,6 +303,21 @@ pub struct TaskBatch<'a> {
     pub labels: &'a [f32],
     /// Sample weights (`None`: all 1).
     pub weights: Option<&'a [f32]>,
+    /// A grouping key per sample (user, query or session id), for the metrics that rank
+    /// within groups; `None` for the others.
+    pub groups: Option<&'a [i64]>,
+}
+
+impl<'a> TaskBatch<'a> {
+    /// A batch without grouping keys.
+    pub fn new(predictions: &'a [f32], labels: &'a [f32], weights: Option<&'a [f32]>) -> Self {
+        Self { predictions, labels, weights, groups: None }
+    }
+
+    /// The same batch with grouping keys.
+    pub fn with_groups(self, groups: &'a [i64]) -> Self {
+        Self { groups: Some(groups), ..self }
+    }
 }
 
 /// Several metrics over several tasks (TorchRec's `RecMetricModule` for the sum-state

@@ -124,7 +124,7 @@ fn merge_refuses_different_metrics_and_tasks() {
     let err = x.update(&[]).unwrap_err().to_string();
     assert_eq!(err, "expected a batch for each of 1 tasks, got 0");
     let p = [0.5f32];
-    let bad = TaskBatch { predictions: &p, labels: &[2.0], weights: None };
+    let bad = TaskBatch::new(&p, &[2.0], None);
     assert!(x.update(&[bad]).is_err());
     assert_eq!(x.compute()[0].0, "ctr-a|lifetime_ctr");
     assert_eq!(x.compute()[0].1, 0.0, "a rejected batch changes nothing");

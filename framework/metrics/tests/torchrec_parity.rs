@@ -56,8 +56,7 @@ fn sum_state_metrics_match_torchrec_lifetime_and_window() {
     for (name, steps) in metrics {
         let mut m = MultiTaskMetrics::new(&task_refs, &[kind(name)], window).unwrap();
         for (s, (batch, expected)) in batches.iter().zip(steps.as_array().unwrap()).enumerate() {
-            let input: Vec<TaskBatch> =
-                batch.iter().map(|(p, l, w)| TaskBatch { predictions: p, labels: l, weights: Some(w) }).collect();
+            let input: Vec<TaskBatch> = batch.iter().map(|(p, l, w)| TaskBatch::new(p, l, Some(w))).collect();
             m.update(&input).unwrap();
             let ours: BTreeMap<String, f64> = m.compute().into_iter().collect();
             let theirs = expected.as_object().unwrap();

@@ -1,0 +1,299 @@
+//! The sample window of the ranking metrics (AUC, grouped AUC, AUPRC) and the sort that
+//! visits it by descending prediction.
+//!
+//! Samples are kept column-wise: the prediction as a 32-bit key whose integer order is the
+//! descending prediction order, the label, the weight and (for grouped metrics) the grouping
+//! key. Visiting in order sorts one `u64` per sample by its high half (the key) with a stable
+//! radix sort, so tied predictions keep their arrival order. When every label is 0 or 1 the
+//! low half carries the weight and the label (the sign bit of a non-negative weight is free)
+//! and the sweep reads nothing else; otherwise it carries the sample's index.
+
+use std::collections::VecDeque;
+
+use rayon::prelude::*;
+
+/// Kept samples, oldest first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct SampleWindow {
+    /// Per sample: the prediction's [`descending_key`] in the high half; the weight's bits in
+    /// the low 31 bits and, when the label is 1, bit 31 (the sign of a weight `>= 0` is free).
+    packed: VecDeque<u64>,
+    /// The labels, kept only once a label other than 0 or 1 has been seen.
+    soft_labels: Option<VecDeque<f32>>,
+    /// Grouping keys, kept when the window was created grouped.
+    groups: Option<VecDeque<i64>>,
+}
+
+/// `f32` → `u32` whose integer order is the *descending* float order (finite values).
+#[inline]
+pub(crate) fn descending_key(x: f32) -> u32 {
+    // -0.0 and 0.0 are equal predictions (a tie), as `partial_cmp` has them.
+    let b = if x == 0.0 { 0 } else { x.to_bits() };
+    !(if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 })
+}
+
+#[inline]
+fn pack(p: f32, y: f32, w: f32) -> u64 {
+    (u64::from(descending_key(p)) << 32) | u64::from(w.to_bits() & 0x7fff_ffff) | (u64::from(y == 1.0) << 31)
+}
+
+#[inline]
+fn unpack_weight(r: u64) -> f32 {
+    f32::from_bits(r as u32 & 0x7fff_ffff)
+}
+
+#[inline]
+fn unpack_hard_label(r: u64) -> f32 {
+    if (r >> 31) & 1 == 1 { 1.0 } else { 0.0 }
+}
+
+/// One sample met in order by [`SampleWindow::sweep`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Visit {
+    /// The prediction's [`descending_key`]: equal keys are tied predictions.
+    pub(crate) key: u32,
+    pub(crate) label: f32,
+    pub(crate) weight: f32,
+    /// Position in the window (arrival order), only when the sweep was asked for indices.
+    pub(crate) index: usize,
+}
+
+impl SampleWindow {
+    /// An empty window; `grouped` keeps a grouping key per sample.
+    pub(crate) fn new(grouped: bool) -> Self {
+        Self { groups: grouped.then(VecDeque::new), ..Self::default() }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.packed.len()
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.packed.clear();
+        self.soft_labels = None;
+        if let Some(g) = &mut self.groups {
+            g.clear();
+        }
+    }
+
+    /// The grouping key of the sample at `index` (grouped windows only).
+    pub(crate) fn group(&self, index: usize) -> i64 {
+        self.groups.as_ref().map_or(0, |g| g[index])
+    }
+
+    /// Appends a validated batch and keeps only the latest `window` samples (all for `None`):
+    /// TorchRec's sample window of AUC and AUPRC. `groups` is required by grouped windows and
+    /// ignored otherwise.
+    pub(crate) fn push(
+        &mut self,
+        window: Option<usize>,
+        predictions: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        groups: Option<&[i64]>,
+    ) {
+        // Only the tail of a batch larger than the window can survive.
+        let skip = window.map_or(0, |w| predictions.len().saturating_sub(w));
+        let (p, y) = (&predictions[skip..], &labels[skip..]);
+        if self.soft_labels.is_none() && !crate::kernels::all_hard(y) {
+            // From now on keep the labels; the earlier ones were 0 or 1, as their bit says.
+            self.soft_labels = Some(self.packed.iter().map(|&r| unpack_hard_label(r)).collect());
+        }
+        match weights {
+            Some(w) => self.packed.extend(p.iter().zip(y).zip(&w[skip..]).map(|((&p, &y), &w)| pack(p, y, w))),
+            None => self.packed.extend(p.iter().zip(y).map(|(&p, &y)| pack(p, y, 1.0))),
+        }
+        if let Some(l) = &mut self.soft_labels {
+            l.extend(y);
+        }
+        if let (Some(g), Some(new)) = (&mut self.groups, groups) {
+            g.extend(&new[skip..]);
+        }
+        if let Some(window) = window {
+            let excess = self.packed.len().saturating_sub(window);
+            self.packed.drain(..excess);
+            if let Some(l) = &mut self.soft_labels {
+                l.drain(..excess);
+            }
+            if let Some(g) = &mut self.groups {
+                g.drain(..excess);
+            }
+        }
+    }
+
+    /// Calls `f` on every sample by descending prediction, tied predictions in arrival order.
+    /// With `indices`, each [`Visit`] carries the sample's position (for the grouping key).
+    pub(crate) fn sweep(&self, indices: bool, mut f: impl FnMut(Visit)) {
+        if !indices && self.soft_labels.is_none() {
+            // Everything the sweep needs is in the sorted records themselves.
+            for r in sort_by_high_half(self.packed.as_slices()) {
+                f(Visit { key: (r >> 32) as u32, label: unpack_hard_label(r), weight: unpack_weight(r), index: 0 });
+            }
+            return;
+        }
+        let records: Vec<u64> = self.packed.iter().enumerate().map(|(i, &r)| (r & !0xffff_ffff) | i as u64).collect();
+        for r in sort_by_high_half((&records, &[])) {
+            let i = (r & 0xffff_ffff) as usize;
+            let packed = self.packed[i];
+            let label = self.soft_labels.as_ref().map_or_else(|| unpack_hard_label(packed), |l| l[i]);
+            f(Visit { key: (r >> 32) as u32, label, weight: unpack_weight(packed), index: i });
+        }
+    }
+}
+
+/// Below this many records one thread sorts them with three LSD passes.
+const SMALL: usize = 1 << 16;
+
+/// Sorts the records of `parts` (read in order, as one sequence) by their high 32 bits,
+/// stably.
+///
+/// A most-significant-digit pass on bits 53..64 scatters the records into 2,048 buckets; each
+/// bucket (small enough to stay in cache) is then sorted by bits 32..53 with two
+/// least-significant-digit passes, buckets in parallel. Every pass is a stable counting sort,
+/// and a pass whose digit is equal for all its records is skipped.
+pub(crate) fn sort_by_high_half(parts: (&[u64], &[u64])) -> Vec<u64> {
+    let n = parts.0.len() + parts.1.len();
+    if n < SMALL {
+        let mut v = [parts.0, parts.1].concat();
+        let mut scratch = vec![0u64; n];
+        lsd(&mut v, &mut scratch, &[(32, 11), (43, 10), (53, 11)]);
+        return v;
+    }
+    let mut counts = vec![0usize; 2048];
+    for &r in parts.0.iter().chain(parts.1) {
+        counts[(r >> 53) as usize] += 1;
+    }
+    let mut cursor = Vec::with_capacity(2048);
+    let mut next = 0;
+    for c in &counts {
+        cursor.push(next);
+        next += c;
+    }
+    let mut out = vec![0u64; n];
+    for &r in parts.0.iter().chain(parts.1) {
+        let d = (r >> 53) as usize;
+        out[cursor[d]] = r;
+        cursor[d] += 1;
+    }
+    // Disjoint bucket slices of `out`, each sorted with a reused per-task buffer.
+    let mut buckets = Vec::new();
+    let mut rest = &mut out[..];
+    for &c in &counts {
+        let (b, r) = rest.split_at_mut(c);
+        if c > 1 {
+            buckets.push(b);
+        }
+        rest = r;
+    }
+    buckets.into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<u64>, b| {
+        buf.resize(b.len(), 0);
+        lsd(b, &mut buf[..b.len()], &[(32, 11), (43, 10)]);
+    });
+    out
+}
+
+/// Stable LSD radix sort of `v` by the given (shift, width) digits, in that order; `buf` is
+/// scratch of the same length. The result is left in `v`.
+fn lsd(v: &mut [u64], buf: &mut [u64], digits: &[(u32, u32)]) {
+    let mut in_v = true;
+    for &(shift, width) in digits {
+        let mask = (1u64 << width) - 1;
+        let (src, dst): (&mut [u64], &mut [u64]) = if in_v { (&mut *v, &mut *buf) } else { (&mut *buf, &mut *v) };
+        let mut counts = [0usize; 2048];
+        for &r in src.iter() {
+            counts[((r >> shift) & mask) as usize] += 1;
+        }
+        if counts.contains(&src.len()) {
+            continue; // one bucket holds everything: already sorted by this digit
+        }
+        let mut next = 0;
+        for c in counts.iter_mut() {
+            let count = *c;
+            *c = next;
+            next += count;
+        }
+        for &r in src.iter() {
+            let d = ((r >> shift) & mask) as usize;
+            dst[counts[d]] = r;
+            counts[d] += 1;
+        }
+        in_v = !in_v;
+    }
+    if !in_v {
+        v.copy_from_slice(buf);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn radix_sort_is_a_stable_sort_by_the_high_half() {
+        let mut rng = StdRng::seed_from_u64(11);
+        // Both paths (small, and MSD + parallel LSD), with many ties spread over every digit.
+        for n in [0usize, 1, 2, 17, 5000, 200_000] {
+            let keys: Vec<u64> = (0..n)
+                .map(|_| {
+                    let high = [0u32, 7, 0x0040_0000, 0x8000_0001, u32::MAX, 0x3f00_0000][rng.random_range(0..6)]
+                        ^ (rng.random_range(0..8u32) << rng.random_range(0..29));
+                    (u64::from(high) << 32) | u64::from(rng.random::<u32>())
+                })
+                .collect();
+            let mut expected = keys.clone();
+            expected.sort_by_key(|k| k >> 32); // std's sort is stable
+            let (a, b) = keys.split_at(n / 3);
+            assert!(sort_by_high_half((a, b)) == expected, "n = {n}, two parts");
+            assert!(sort_by_high_half((&keys, &[])) == expected, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn sweep_orders_signs_zeros_and_ties() {
+        let p = [0.5f32, -1.0, 0.0, 2.0, -0.0, 0.5, f32::MIN_POSITIVE, -3.5];
+        let idx: Vec<f32> = (0..p.len()).map(|i| i as f32).collect();
+        let mut w = SampleWindow::new(false);
+        // Labels 0.5 (soft) force the indexed path; the weights carry the arrival index.
+        w.push(None, &p, &[0.5; 8], Some(&idx), None);
+        let mut order = Vec::new();
+        w.sweep(false, |v| order.push(v.weight));
+        // 2.0, 0.5 (#0), 0.5 (#5), MIN_POSITIVE, 0.0 (#2), -0.0 (#4, tied with 0.0), -1.0, -3.5.
+        assert_eq!(order, vec![3.0, 0.0, 5.0, 6.0, 2.0, 4.0, 1.0, 7.0]);
+        // The packed path (hard labels) visits the same order with the same labels and weights.
+        let labels = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0];
+        let mut hard = SampleWindow::new(false);
+        hard.push(None, &p, &labels, Some(&idx), None);
+        let mut visits = Vec::new();
+        hard.sweep(false, |v| visits.push((v.weight, v.label)));
+        let want: Vec<(f32, f32)> = order.iter().map(|&i| (i, labels[i as usize])).collect();
+        assert_eq!(visits, want);
+    }
+
+    #[test]
+    fn soft_labels_arriving_late_keep_the_earlier_hard_ones() {
+        let mut w = SampleWindow::new(false);
+        w.push(None, &[0.9, 0.1], &[1.0, 0.0], Some(&[2.0, 3.0]), None);
+        w.push(None, &[0.5], &[0.25], None, None);
+        let mut seen = Vec::new();
+        w.sweep(false, |v| seen.push((v.label, v.weight)));
+        assert_eq!(seen, [(1.0, 2.0), (0.25, 1.0), (0.0, 3.0)]);
+    }
+
+    #[test]
+    fn window_keeps_the_latest_samples_and_groups() {
+        let mut w = SampleWindow::new(true);
+        w.push(Some(3), &[0.1, 0.2], &[0.0, 1.0], None, Some(&[7, 8]));
+        w.push(Some(3), &[0.3, 0.4], &[1.0, 0.0], Some(&[2.0, 3.0]), Some(&[9, 10]));
+        assert_eq!(w.len(), 3);
+        assert_eq!((0..3).map(|i| w.group(i)).collect::<Vec<_>>(), [8, 9, 10]);
+        let mut seen = Vec::new();
+        w.sweep(true, |v| seen.push((v.index, v.label, v.weight)));
+        assert_eq!(seen, [(2, 0.0, 3.0), (1, 1.0, 2.0), (0, 1.0, 1.0)]);
+        w.push(Some(2), &[0.9, 0.8, 0.7], &[1.0; 3], None, Some(&[1, 2, 3]));
+        assert_eq!((w.len(), w.group(0), w.group(1)), (2, 2, 3));
+        w.clear();
+        assert_eq!(w.len(), 0);
+    }
+}
