@@ -1,4 +1,5 @@
-//! Recommendation metrics with TorchRec's definitions (NE, log loss, AUC).
+//! Recommendation metrics with TorchRec's definitions (NE, log loss, AUC, grouped AUC, AUPRC,
+//! NDCG, session recall and the sum-state family).
 //!
 //! Every metric accumulates its state over batches (`update`) and reports on demand
 //! (`compute`); `reset` starts over. State is kept in `f64`. The definitions follow
@@ -15,6 +16,7 @@ pub mod bench;
 mod kernels;
 mod ne;
 mod rec;
+mod session;
 pub mod sinks;
 mod suite;
 mod window;
@@ -23,6 +25,7 @@ pub use auc::AucMetric;
 pub use auprc::{AUPRC_BINS, AuprcMetric, SplitAuprc};
 pub use ne::{NE_ETA, NeMetric};
 pub use rec::{LifetimeMetric, MAX_WINDOW_UPDATES, MultiTaskMetrics, SumMetric, SumMetricKind, TaskBatch};
+pub use session::{SessionMetric, SessionMetricKind};
 pub use suite::{MetricReport, MetricSuite, Split, render_table};
 
 /// What went wrong when feeding or reporting a metric.
@@ -51,7 +54,7 @@ pub enum MetricError {
         value: f32,
     },
     /// A label is outside `[0, 1]` (soft labels inside the interval are allowed).
-    #[error("labels[{index}] = {value} is outside [0, 1]")]
+    #[error("labels[{index}] = {value} is out of range (labels lie in [0, 1]; NDCG relevance grades are >= 0)")]
     LabelOutOfRange {
         /// Position in the batch.
         index: usize,
@@ -108,6 +111,14 @@ pub enum MetricError {
         /// Predictions.
         predictions: usize,
     },
+    /// A metric option out of its range.
+    #[error("{metric}: {message}")]
+    Option {
+        /// The metric.
+        metric: &'static str,
+        /// What is wrong.
+        message: String,
+    },
     /// Serialising a report failed.
     #[error("could not serialise the metric report: {0}")]
     Json(#[from] serde_json::Error),
@@ -147,6 +158,17 @@ pub trait Metric: Send {
 /// Checks one batch: `labels` (and `weights`, when given) have one entry per prediction,
 /// every value is finite, labels lie in `[0, 1]` and weights are `>= 0`.
 pub fn validate_batch(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
+    validate_inputs(predictions, labels, weights, false)
+}
+
+/// [`validate_batch`]; with `graded`, labels may be any finite value `>= 0` (relevance grades
+/// of NDCG).
+pub(crate) fn validate_inputs(
+    predictions: &[f32],
+    labels: &[f32],
+    weights: Option<&[f32]>,
+    graded: bool,
+) -> Result<(), MetricError> {
     let n = predictions.len();
     if labels.len() != n {
         return Err(MetricError::LengthMismatch { what: "labels", len: labels.len(), predictions: n });
@@ -156,7 +178,7 @@ pub fn validate_batch(predictions: &[f32], labels: &[f32], weights: Option<&[f32
     {
         return Err(MetricError::LengthMismatch { what: "weights", len: w.len(), predictions: n });
     }
-    if kernels::batch_is_clean(predictions, labels, weights).0 {
+    if !graded && kernels::batch_is_clean(predictions, labels, weights).0 {
         return Ok(());
     }
     // Something is wrong: find the first bad value to name it.
@@ -169,7 +191,7 @@ pub fn validate_batch(predictions: &[f32], labels: &[f32], weights: Option<&[f32
         if !value.is_finite() {
             return Err(MetricError::NonFinite { what: "labels", index, value });
         }
-        if !(0.0..=1.0).contains(&value) {
+        if value < 0.0 || (!graded && value > 1.0) {
             return Err(MetricError::LabelOutOfRange { index, value });
         }
     }

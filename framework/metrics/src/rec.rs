@@ -163,7 +163,7 @@ impl SumMetricKind {
 
 /// TorchRec's window of per-update sums.
 #[derive(Clone, Debug, PartialEq)]
-struct Window {
+pub(crate) struct Window {
     max_samples: usize,
     sums: Vec<f64>,
     updates: VecDeque<(Vec<f64>, usize)>,
@@ -171,7 +171,30 @@ struct Window {
 }
 
 impl Window {
-    fn push(&mut self, sums: Vec<f64>, size: usize) {
+    /// An empty window of `max_samples` samples over `num_sums` sums.
+    pub(crate) fn new(max_samples: usize, num_sums: usize) -> Self {
+        Self { max_samples, sums: vec![0.0; num_sums], updates: VecDeque::new(), samples: 0 }
+    }
+
+    /// The window's sums.
+    pub(crate) fn sums(&self) -> &[f64] {
+        &self.sums
+    }
+
+    /// Adds another rank's window sums.
+    pub(crate) fn merge(&mut self, other: &Window) {
+        self.sums.iter_mut().zip(&other.sums).for_each(|(a, b)| *a += b);
+    }
+
+    /// Forgets everything.
+    pub(crate) fn clear(&mut self) {
+        self.sums.iter_mut().for_each(|s| *s = 0.0);
+        self.updates.clear();
+        self.samples = 0;
+    }
+
+    /// Adds one update's sums over `size` samples.
+    pub(crate) fn push(&mut self, sums: Vec<f64>, size: usize) {
         if self.updates.len() == MAX_WINDOW_UPDATES {
             self.pop();
         }

@@ -107,3 +107,67 @@ fn auc_and_auprc_match_torchrec_windows_and_binned_lifetime() {
     }
     assert_eq!(compared, batches.len() * tasks.len() * 2);
 }
+
+#[test]
+fn grouped_auc_ndcg_and_session_recall_match_torchrec() {
+    use trainrec_metrics::{AucMetric, Metric, SessionMetric, SessionMetricKind};
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/torchrec_metrics.json");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let tasks: Vec<&str> = doc["tasks"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let window = doc["session_window"].as_u64().unwrap() as usize;
+    let top = doc["recall_top"].as_u64().unwrap() as usize;
+    let batches = doc["session_batches"].as_array().unwrap();
+    let expected = &doc["session_metrics"];
+    let ndcg = |k, exponential_gain, report_as_decreasing, remove_single_length_sessions| SessionMetricKind::Ndcg {
+        k,
+        exponential_gain,
+        report_as_decreasing,
+        remove_single_length_sessions,
+    };
+    // (fixture entry, torchrec's metric name, trainrec metric per task)
+    let make = |entry: &str| -> Box<dyn Metric> {
+        match entry {
+            "grouped_auc" => Box::new(AucMetric::with_window(100_000).unwrap().grouped()),
+            "ndcg" => Box::new(SessionMetric::new(ndcg(None, false, true, false), window).unwrap()),
+            "ndcg_k3_exp" => Box::new(SessionMetric::new(ndcg(Some(3), true, false, false), window).unwrap()),
+            "ndcg_no_singles" => Box::new(SessionMetric::new(ndcg(None, false, true, true), window).unwrap()),
+            "recall_session" => Box::new(
+                SessionMetric::new(
+                    SessionMetricKind::RecallSession { top_threshold: top, run_ranking_of_labels: false },
+                    window,
+                )
+                .unwrap(),
+            ),
+            other => panic!("fixture has session metric {other} the test does not know"),
+        }
+    };
+    let mut compared = 0;
+    for (entry, steps) in expected.as_object().unwrap() {
+        let mut per_task: Vec<Box<dyn Metric>> = tasks.iter().map(|_| make(entry)).collect();
+        for (s, b) in batches.iter().enumerate() {
+            let groups: Vec<i64> = b["sessions"].as_array().unwrap().iter().map(|g| g.as_i64().unwrap()).collect();
+            for (t, task) in tasks.iter().enumerate() {
+                let (p, l, w) =
+                    (floats(&b[task]["predictions"]), floats(&b[task]["labels"]), floats(&b[task]["weights"]));
+                let m = &mut per_task[t];
+                m.update_batch(&TaskBatch::new(&p, &l, Some(&w)).with_groups(&groups)).unwrap();
+                for (name, got) in m.compute() {
+                    let prefix = if entry == "grouped_auc" { "auc" } else { name.split_once('_').unwrap().1 };
+                    // torchrec reports AUC values as `window_…`; trainrec's AUC has no prefix.
+                    let key = if entry == "grouped_auc" {
+                        format!("{prefix}-{task}|window_{name}")
+                    } else {
+                        format!("{prefix}-{task}|{name}")
+                    };
+                    let want = steps[s][&key].as_f64().unwrap_or_else(|| panic!("{entry}: no {key} in the fixture"));
+                    // torchrec computes AUC in fp32 (1e-6 absolute) and NDCG's discounts
+                    // 1 / log2(rank + 1) in fp32 (log2 of an integer tensor): 1e-6 relative.
+                    let tol = if entry == "grouped_auc" { 1e-6 } else { 1e-6 * want.abs().max(1e-3) };
+                    assert!((got - want).abs() <= tol, "{entry} {key} after batch {s}: {got} vs torchrec {want}");
+                    compared += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(compared, batches.len() * tasks.len() * 2 * 5);
+}
