@@ -113,6 +113,34 @@ fn every_metric_reports_and_they_agree_with_each_other() {
 }
 
 #[test]
+fn session_metrics_and_throughput_report() {
+    let dir = out_dir("sessions");
+    let s = run(
+        &workspace().join("recipes/metrics/sessions.toml"),
+        &[
+            "train.steps=120".into(),
+            "train.log_every=60".into(),
+            "data.sampler.eval_samples=8000".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ],
+    );
+    let m = &s.eval;
+    // The model learns the planted signal, within sessions as well as across them.
+    assert!(m["auc"] > 0.6 && m["grouped_auc"] > 0.6, "{m:?}");
+    // Reported as TorchRec does: 1 - NDCG@5, in [0, 1] with unit weights.
+    assert!((0.0..1.0).contains(&m["ndcg"]), "{m:?}");
+    assert!((0.0..=1.0).contains(&m["recall_session_level"]), "{m:?}");
+    // Train lines carry TorchRec's throughput once the 100 warm-up steps are over.
+    let log = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let last_train = log.lines().rfind(|l| l.contains("\"train\"")).unwrap();
+    for key in ["total_examples", "lifetime_throughput", "window_throughput"] {
+        assert!(last_train.contains(key), "{key} missing from {last_train}");
+    }
+    let line: serde_json::Value = serde_json::from_str(last_train).unwrap();
+    assert_eq!(line["metrics"]["total_examples"].as_f64(), Some(120.0 * 512.0), "{last_train}");
+}
+
+#[test]
 fn same_seed_same_metrics() {
     let go = |name: &str| {
         let dir = out_dir(name);

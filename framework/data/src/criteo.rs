@@ -111,7 +111,11 @@ pub fn parse_line(line: &str) -> Result<CriteoRow, String> {
 impl CriteoTsvSampler {
     /// The features (I1..I13 dense, C1..C26 sparse).
     pub fn feature_schema(_config: &CriteoTsvConfig) -> FeatureSchema {
-        FeatureSchema { num_dense: NUM_DENSE, sparse: (1..=NUM_SPARSE).map(|i| format!("C{i}")).collect() }
+        FeatureSchema {
+            num_dense: NUM_DENSE,
+            sparse: (1..=NUM_SPARSE).map(|i| format!("C{i}")).collect(),
+            grouping_key: None,
+        }
     }
 
     /// Builds the sampler (checks the file can be opened).
@@ -207,6 +211,7 @@ impl Reader {
             sparse,
             labels,
             batch_size: n,
+            groups: None,
         }))
     }
 }

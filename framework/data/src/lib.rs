@@ -25,6 +25,10 @@ pub struct Batch {
     pub labels: Vec<f32>,
     /// Examples in this batch (the last batch of a split may be smaller).
     pub batch_size: usize,
+    /// A grouping key per example (user, query or session id) when the sampler provides one
+    /// ([`FeatureSchema::grouping_key`]): grouped AUC, NDCG and session recall rank within
+    /// these groups.
+    pub groups: Option<Vec<i64>>,
 }
 
 /// Which part of the data.
@@ -43,6 +47,9 @@ pub struct FeatureSchema {
     pub num_dense: usize,
     /// Sparse feature names, in KJT key order.
     pub sparse: Vec<String>,
+    /// What the sampler's per-example grouping key is (for example `"session"`), or `None`
+    /// when its batches carry no [`Batch::groups`].
+    pub grouping_key: Option<String>,
 }
 
 /// What the engine gives a sampler when it builds one.

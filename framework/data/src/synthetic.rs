@@ -54,6 +54,10 @@ pub struct SyntheticConfig {
     /// to predict.
     #[serde(default = "defaults::signal")]
     pub signal: f64,
+    /// Examples per session: consecutive examples of a split share a session id, the grouping
+    /// key of grouped AUC, NDCG and session recall. Unset: batches carry no grouping key.
+    #[serde(default)]
+    pub session_size: Option<u64>,
 }
 
 mod defaults {
@@ -103,7 +107,11 @@ pub struct SyntheticSampler {
 impl SyntheticSampler {
     /// The features a config produces.
     pub fn feature_schema(config: &SyntheticConfig) -> FeatureSchema {
-        FeatureSchema { num_dense: config.dense_features, sparse: config.sparse_features.clone() }
+        FeatureSchema {
+            num_dense: config.dense_features,
+            sparse: config.sparse_features.clone(),
+            grouping_key: config.session_size.map(|_| "session".to_owned()),
+        }
     }
 
     /// Builds the sampler; every sparse feature needs a row count in `ctx`.
@@ -117,6 +125,9 @@ impl SyntheticSampler {
         }
         if !config.signal.is_finite() || config.signal < 0.0 {
             return Err(bad("signal", format!("signal must be >= 0, found {}", config.signal)));
+        }
+        if config.session_size == Some(0) {
+            return Err(bad("session_size", "session_size must be at least 1 example".into()));
         }
         if config.train_samples == 0 || config.eval_samples == 0 {
             return Err(bad("train_samples", "train_samples and eval_samples must be positive".into()));
@@ -230,7 +241,8 @@ impl SyntheticSampler {
             let prob = 1.0 / (1.0 + (-logit).exp());
             labels.push(if rng.random::<f64>() < prob { 1.0 } else { 0.0 });
         }
-        Some(Ok(Batch { dense, num_dense: nd, sparse, labels, batch_size: n }))
+        let groups = self.config.session_size.map(|s| (start..start + n as u64).map(|i| (i / s) as i64).collect());
+        Some(Ok(Batch { dense, num_dense: nd, sparse, labels, batch_size: n, groups }))
     }
 }
 

@@ -58,6 +58,11 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
         _ => None,
     };
     problems.extend(sampler_problems);
+    if let Some(f) = &features
+        && f.grouping_key.is_none()
+    {
+        problems.extend(grouping_problems(recipe, recipe.data.sampler.kind().unwrap_or_default()));
+    }
     problems.extend(check_semantics(recipe, features.as_ref().map(|f| f.sparse.as_slice())));
 
     let model_path = KeyPath::root().key("model");
@@ -77,6 +82,41 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     } else {
         Err(loaded.locate(problems))
     }
+}
+
+/// Metrics that rank within groups, when the sampler gives no grouping key.
+fn grouping_problems(recipe: &trainrec_recipe::Recipe, sampler: &str) -> Vec<Diagnostic> {
+    use trainrec_recipe::MetricSection;
+    let help = if sampler == "synthetic" {
+        "set data.sampler.session_size (examples per session) so the synthetic sampler emits session ids".to_owned()
+    } else {
+        format!(
+            "the {sampler} sampler provides no grouping key; use a sampler that does (e.g. synthetic with data.sampler.session_size)"
+        )
+    };
+    let metrics = KeyPath::root().key("metrics");
+    recipe
+        .metrics
+        .iter()
+        .enumerate()
+        .filter_map(|(i, m)| {
+            let (key, what) = match m {
+                MetricSection::Auc { grouped: true } => ("grouped", "grouped AUC"),
+                MetricSection::Ndcg { .. } => ("kind", "NDCG"),
+                MetricSection::RecallSession { .. } => ("kind", "session recall"),
+                _ => return None,
+            };
+            Some(
+                Diagnostic::new(
+                    metrics.index(i).key(key),
+                    format!(
+                        "{what} needs a grouping key (session or user id) per example, but sampler {sampler} gives none"
+                    ),
+                )
+                .with_help(help.clone()),
+            )
+        })
+        .collect()
 }
 
 /// Loads and fully validates a recipe file.

@@ -12,7 +12,10 @@ use tch::{Device, Kind, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
 use trainrec_metrics::sinks::{CsvSink, TensorBoardSink};
-use trainrec_metrics::{AucMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SplitAuprc, SumMetricKind};
+use trainrec_metrics::{
+    AucMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SessionMetric, SessionMetricKind, SplitAuprc,
+    SumMetricKind, TaskBatch, ThroughputMetric,
+};
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
@@ -156,10 +159,28 @@ impl Job {
             .recipe
             .metrics
             .iter()
-            .map(|m| -> Box<dyn Metric> {
-                match m {
+            .map(|m| -> Result<Box<dyn Metric>, EngineError> {
+                Ok(match m {
                     MetricSection::Ne { include_logloss } => Box::new(NeMetric::new(*include_logloss)),
-                    MetricSection::Auc {} => Box::new(AucMetric::new()),
+                    MetricSection::Auc { grouped: false } => Box::new(AucMetric::new()),
+                    MetricSection::Auc { grouped: true } => Box::new(AucMetric::new().grouped()),
+                    MetricSection::Ndcg {
+                        k,
+                        exponential_gain,
+                        report_as_decreasing,
+                        remove_single_length_sessions,
+                    } => Box::new(SessionMetric::for_split(SessionMetricKind::Ndcg {
+                        k: *k,
+                        exponential_gain: *exponential_gain,
+                        report_as_decreasing: *report_as_decreasing,
+                        remove_single_length_sessions: *remove_single_length_sessions,
+                    })?),
+                    MetricSection::RecallSession { top_threshold, run_ranking_of_labels } => {
+                        Box::new(SessionMetric::for_split(SessionMetricKind::RecallSession {
+                            top_threshold: *top_threshold,
+                            run_ranking_of_labels: *run_ranking_of_labels,
+                        })?)
+                    }
                     MetricSection::Auprc {} => Box::new(SplitAuprc::new()),
                     MetricSection::Calibration {} => Box::new(LifetimeMetric::new(SumMetricKind::Calibration)),
                     MetricSection::Ctr {} => Box::new(LifetimeMetric::new(SumMetricKind::Ctr)),
@@ -175,9 +196,9 @@ impl Job {
                         Box::new(LifetimeMetric::new(SumMetricKind::Recall { threshold: *threshold }))
                     }
                     MetricSection::WeightedAvg {} => Box::new(LifetimeMetric::new(SumMetricKind::WeightedAvg)),
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         let mut suite = MetricSuite::new(metrics)?;
         let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
         let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
@@ -188,7 +209,13 @@ impl Job {
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> =
                 Vec::try_from(&probs).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
-            suite.update(&probs, &batch.labels, None)?;
+            let input = TaskBatch {
+                predictions: &probs,
+                labels: &batch.labels,
+                weights: None,
+                groups: batch.groups.as_deref(),
+            };
+            suite.update_batch(&input)?;
             seen += batch.batch_size as u64;
         }
         if seen == 0 {
@@ -215,6 +242,11 @@ impl Job {
         let mut first_loss = None;
         let mut last_loss = 0.0;
         let mut last_eval = None;
+        // TorchRec's throughput metric: examples per second after 100 warm-up steps.
+        let mut throughput = ThroughputMetric::new(
+            trainrec_metrics::THROUGHPUT_WARMUP_STEPS,
+            trainrec_metrics::THROUGHPUT_WINDOW_SECONDS,
+        )?;
         let epochs = train.epochs.unwrap_or(u64::MAX);
         'outer: for epoch in 0..epochs {
             let mut in_epoch = 0u64;
@@ -225,6 +257,7 @@ impl Job {
                 step += 1;
                 in_epoch += 1;
                 samples += batch.batch_size as u64;
+                throughput.update(batch.batch_size as u64);
                 window.0 += loss;
                 window.1 += 1;
                 bar.inc(1);
@@ -238,7 +271,9 @@ impl Job {
                     if bar.is_hidden() {
                         tracing::info!(step, loss = mean, samples_per_s = rate as u64, "train");
                     }
-                    log.write(step, "train", &BTreeMap::from([("loss".to_string(), mean)]))?;
+                    let mut values = BTreeMap::from([("loss".to_string(), mean)]);
+                    values.extend(throughput.compute());
+                    log.write(step, "train", &values)?;
                 }
                 if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) {
                     let m = self.evaluate()?;

@@ -19,6 +19,7 @@ mod rec;
 mod session;
 pub mod sinks;
 mod suite;
+mod throughput;
 mod window;
 
 pub use auc::AucMetric;
@@ -27,6 +28,7 @@ pub use ne::{NE_ETA, NeMetric};
 pub use rec::{LifetimeMetric, MAX_WINDOW_UPDATES, MultiTaskMetrics, SumMetric, SumMetricKind, TaskBatch};
 pub use session::{SessionMetric, SessionMetricKind};
 pub use suite::{MetricReport, MetricSuite, Split, render_table};
+pub use throughput::{THROUGHPUT_WARMUP_STEPS, THROUGHPUT_WINDOW_SECONDS, ThroughputMetric};
 
 /// What went wrong when feeding or reporting a metric.
 #[derive(Debug, thiserror::Error)]

@@ -136,6 +136,8 @@ pub struct SessionMetric {
     kind: SessionMetricKind,
     lifetime: [f64; 2],
     window: Window,
+    /// Report only the lifetime value, under the plain name.
+    plain: bool,
 }
 
 impl SessionMetric {
@@ -153,7 +155,13 @@ impl SessionMetric {
         if let SessionMetricKind::Ndcg { k: Some(0), .. } = kind {
             return Err(MetricError::Option { metric: kind.name(), message: "k must be at least 1".into() });
         }
-        Ok(Self { kind, lifetime: [0.0; 2], window: Window::new(window, 2) })
+        Ok(Self { kind, lifetime: [0.0; 2], window: Window::new(window, 2), plain: false })
+    }
+
+    /// A metric over a whole split that reports only its lifetime value, under the plain name
+    /// (`ndcg`, `recall_session_level`): for evaluations.
+    pub fn for_split(kind: SessionMetricKind) -> Result<Self, MetricError> {
+        Ok(Self { plain: true, ..Self::new(kind, usize::MAX)? })
     }
 
     /// Which metric.
@@ -175,8 +183,7 @@ impl SessionMetric {
 
 impl Metric for SessionMetric {
     fn output_names(&self) -> Vec<String> {
-        let n = self.kind.name();
-        vec![format!("lifetime_{n}"), format!("window_{n}")]
+        self.compute().into_iter().map(|(n, _)| n).collect()
     }
 
     fn update(&mut self, _: &[f32], _: &[f32], _: Option<&[f32]>) -> Result<(), MetricError> {
@@ -203,6 +210,9 @@ impl Metric for SessionMetric {
 
     fn compute(&self) -> Vec<(String, f64)> {
         let n = self.kind.name();
+        if self.plain {
+            return vec![(n.to_owned(), self.kind.finish(&self.lifetime))];
+        }
         vec![
             (format!("lifetime_{n}"), self.kind.finish(&self.lifetime)),
             (format!("window_{n}"), self.kind.finish(self.window.sums())),

@@ -180,6 +180,20 @@ impl MetricSuite {
         Ok(())
     }
 
+    /// Feeds one batch with its grouping keys to every metric (all or none: the batch and,
+    /// when a metric needs them, its grouping keys are checked first). Labels must lie in
+    /// `[0, 1]`, as for [`MetricSuite::update`], even for NDCG.
+    pub fn update_batch(&mut self, batch: &crate::TaskBatch<'_>) -> Result<(), MetricError> {
+        validate_batch(batch.predictions, batch.labels, batch.weights)?;
+        if self.metrics.iter().any(|m| m.needs_groups()) {
+            crate::check_groups("grouped metrics", batch)?;
+        }
+        for m in &mut self.metrics {
+            m.update_batch(batch)?;
+        }
+        Ok(())
+    }
+
     /// Every metric's values, in the order the metrics were added.
     pub fn compute(&self) -> Vec<(String, f64)> {
         self.metrics.iter().flat_map(|m| m.compute()).collect()

@@ -219,7 +219,40 @@ pub enum MetricSection {
         include_logloss: bool,
     },
     /// Area under the ROC curve, as TorchRec computes it.
-    Auc {},
+    Auc {
+        /// Also report `grouped_auc`: the mean over groups of each group's AUC (TorchRec's
+        /// `grouped_auc`), groups given by the sampler's grouping key (the synthetic sampler's
+        /// `session_size`).
+        #[serde(default)]
+        grouped: bool,
+    },
+    /// NDCG@k over the sampler's sessions (TorchRec's `NDCGMetric`): samples ranked by
+    /// prediction within each session of a batch. As TorchRec, reports `1 - ndcg` (lower is
+    /// better, like NE) unless `report_as_decreasing = false`.
+    Ndcg {
+        /// Ranks counted per session; unset counts all (TorchRec's `k = -1`).
+        #[serde(default)]
+        k: Option<usize>,
+        /// Gain `2^label - 1` instead of `label`.
+        #[serde(default)]
+        exponential_gain: bool,
+        /// Report `1 - ndcg` (TorchRec's default) rather than `ndcg`.
+        #[serde(default = "defaults::report_as_decreasing")]
+        report_as_decreasing: bool,
+        /// Ignore sessions of a single sample.
+        #[serde(default)]
+        remove_single_length_sessions: bool,
+    },
+    /// Session-level recall@k for retrieval (TorchRec's `RecallSessionMetric`): a sample is
+    /// retrieved when fewer than `top_threshold` samples of its session score higher;
+    /// `recall = Σ w y [retrieved] / Σ w y`.
+    RecallSession {
+        /// `k`: how many of each session's top predictions count as retrieved.
+        top_threshold: usize,
+        /// Also replace labels by "among the session's top `top_threshold` labels".
+        #[serde(default)]
+        run_ranking_of_labels: bool,
+    },
     /// Area under the precision-recall curve (TorchRec's step-wise definition), exact over
     /// the eval split.
     Auprc {},
@@ -260,7 +293,11 @@ pub mod defaults {
 
     /// Default `[[metrics]]`: NE (with log loss) and AUC.
     pub fn metrics() -> Vec<MetricSection> {
-        vec![MetricSection::Ne { include_logloss: true }, MetricSection::Auc {}]
+        vec![MetricSection::Ne { include_logloss: true }, MetricSection::Auc { grouped: false }]
+    }
+    /// Default `report_as_decreasing` of NDCG (TorchRec: `True`).
+    pub fn report_as_decreasing() -> bool {
+        true
     }
     /// Default decision threshold of accuracy, precision and recall (TorchRec: 0.5).
     pub fn threshold() -> f64 {

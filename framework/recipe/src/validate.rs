@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use serde_json::Value;
 
 use crate::diagnostic::{Diagnostic, KeyPath, suggest};
-use crate::schema::{PluginSection, Recipe};
+use crate::schema::{MetricSection, PluginSection, Recipe};
 use crate::walk;
 
 /// A sparse feature name as written in a table: `C1`, or `C1@t_big` when the feature feeds
@@ -232,6 +232,20 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                 Diagnostic::new(root.key("metrics").index(i).key("kind"), "this metric is listed twice")
                     .with_help(format!("metrics[{first}] is the same kind; keep one")),
             );
+        }
+    }
+    for (i, m) in recipe.metrics.iter().enumerate() {
+        let at = root.key("metrics").index(i);
+        match m {
+            MetricSection::Ndcg { k: Some(0), .. } => {
+                out.push(
+                    Diagnostic::new(at.key("k"), "k must be at least 1").with_help("leave k unset to count every rank"),
+                );
+            }
+            MetricSection::RecallSession { top_threshold: 0, .. } => {
+                out.push(Diagnostic::new(at.key("top_threshold"), "top_threshold must be at least 1"));
+            }
+            _ => {}
         }
     }
     if recipe.metrics.is_empty() {
