@@ -62,6 +62,11 @@ pub enum Command {
     },
     /// Print the recipe reference (Markdown) generated from the schema.
     Reference,
+    /// Render PNG plots of every metric of a run over its steps into `RUN_DIR/plots/`.
+    Report {
+        /// A run directory written by `trainrec run` (holding `metrics.jsonl`).
+        run_dir: PathBuf,
+    },
     /// Benchmarks; each prints one JSON line on stdout (logs on stderr).
     Bench {
         /// Which benchmark.
@@ -237,6 +242,16 @@ pub fn main_with(registry: Registry) -> ExitCode {
     match cli.command {
         Command::Run { recipe, overrides } => run(&registry, &recipe, &overrides.options()),
         Command::Validate { recipes, overrides } => validate(&registry, &recipes, &overrides.options()),
+        Command::Report { run_dir } => match crate::report::render(&run_dir) {
+            Ok(files) => {
+                println!("wrote {} plots to {}", files.len(), run_dir.join("plots").display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::Reference => {
             print!("{}", trainrec_engine::reference::recipe_reference(&registry));
             ExitCode::SUCCESS

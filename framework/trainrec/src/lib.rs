@@ -4,6 +4,7 @@
 //! line: `trainrec::cli::main_with(trainrec::Registry::builtin().sampler::<MySampler>())`.
 
 pub mod cli;
+pub mod report;
 
 pub use trainrec_data as data;
 pub use trainrec_embedding as embedding;
