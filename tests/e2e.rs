@@ -141,6 +141,27 @@ fn session_metrics_and_throughput_report() {
 }
 
 #[test]
+fn two_tasks_learn_their_own_labels() {
+    let dir = out_dir("multitask");
+    let s = run(
+        &workspace().join("recipes/multitask/click_and_like.toml"),
+        &[
+            "train.steps=400".into(),
+            "data.sampler.eval_samples=8192".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ],
+    );
+    let m = &s.eval;
+    for task in ["click", "like"] {
+        assert!(m[&format!("auc-{task}")] > 0.7, "{m:?}");
+        assert!(m[&format!("ne-{task}")] < 0.95, "{m:?}");
+    }
+    // The like label is the rarer one, and each task's CTR is its own label's.
+    assert!(m["ctr-like"] < m["ctr-click"], "{m:?}");
+    assert!(!m.contains_key("auc"), "multi-task names carry the task: {m:?}");
+}
+
+#[test]
 fn same_seed_same_metrics() {
     let go = |name: &str| {
         let dir = out_dir(name);

@@ -114,6 +114,7 @@ impl CriteoTsvSampler {
         FeatureSchema {
             num_dense: NUM_DENSE,
             sparse: (1..=NUM_SPARSE).map(|i| format!("C{i}")).collect(),
+            labels: vec!["label".to_owned()],
             grouping_key: None,
         }
     }

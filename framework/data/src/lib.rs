@@ -21,7 +21,8 @@ pub struct Batch {
     pub num_dense: usize,
     /// Sparse features, keys in the sampler's [`FeatureSchema::sparse`] order.
     pub sparse: KeyedJaggedTensor,
-    /// One label (0 or 1) per example.
+    /// Labels (0 or 1), `[batch_size, labels]` row-major: one per example and label column of
+    /// [`FeatureSchema::labels`] (so one per example for a single-label sampler).
     pub labels: Vec<f32>,
     /// Examples in this batch (the last batch of a split may be smaller).
     pub batch_size: usize,
@@ -47,6 +48,9 @@ pub struct FeatureSchema {
     pub num_dense: usize,
     /// Sparse feature names, in KJT key order.
     pub sparse: Vec<String>,
+    /// The label columns, in [`Batch::labels`] order (`["label"]` for a single-label
+    /// sampler); a multi-task job trains one task per column it names.
+    pub labels: Vec<String>,
     /// What the sampler's per-example grouping key is (for example `"session"`), or `None`
     /// when its batches carry no [`Batch::groups`].
     pub grouping_key: Option<String>,

@@ -58,6 +58,11 @@ pub struct SyntheticConfig {
     /// key of grouped AUC, NDCG and session recall. Unset: batches carry no grouping key.
     #[serde(default)]
     pub session_size: Option<u64>,
+    /// Names of the label columns, one per task of a multi-task job. The first follows the
+    /// planted logit; each further label mixes it with its own planted per-id effects (so tasks
+    /// are related but not equal) and is rarer.
+    #[serde(default = "defaults::labels")]
+    pub labels: Vec<String>,
 }
 
 mod defaults {
@@ -75,6 +80,9 @@ mod defaults {
     }
     pub fn zipf_alpha() -> f64 {
         1.05
+    }
+    pub fn labels() -> Vec<String> {
+        vec!["label".to_owned()]
     }
     pub fn train_samples() -> u64 {
         1_000_000
@@ -110,6 +118,7 @@ impl SyntheticSampler {
         FeatureSchema {
             num_dense: config.dense_features,
             sparse: config.sparse_features.clone(),
+            labels: config.labels.clone(),
             grouping_key: config.session_size.map(|_| "session".to_owned()),
         }
     }
@@ -125,6 +134,14 @@ impl SyntheticSampler {
         }
         if !config.signal.is_finite() || config.signal < 0.0 {
             return Err(bad("signal", format!("signal must be >= 0, found {}", config.signal)));
+        }
+        if config.labels.is_empty() {
+            return Err(bad("labels", "at least one label column is needed".into()));
+        }
+        if let Some(dup) =
+            config.labels.iter().enumerate().find_map(|(i, l)| config.labels[..i].contains(l).then_some(l))
+        {
+            return Err(bad("labels", format!("label column {dup:?} is listed twice")));
         }
         if config.session_size == Some(0) {
             return Err(bad("session_size", "session_size must be at least 1 example".into()));
@@ -158,7 +175,12 @@ impl SyntheticSampler {
 
     /// The planted per-id latent value of feature `f` (index) and id.
     fn latent(&self, f: usize, id: i64) -> f64 {
-        let h = hash_words(&[self.seed, f as u64, id as u64]);
+        self.latent_of(self.seed, f, id)
+    }
+
+    /// [`Self::latent`] under another seed.
+    fn latent_of(&self, seed: u64, f: usize, id: i64) -> f64 {
+        let h = hash_words(&[seed, f as u64, id as u64]);
         // Box-Muller from two hash-derived uniforms.
         let u1 = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
         let u2 = ((hash_words(&[h]) >> 11) as f64) / (1u64 << 53) as f64;
@@ -168,6 +190,31 @@ impl SyntheticSampler {
     /// The planted logit of one example (dense features after the log transform, one bag of
     /// ids per sparse feature). Its sigmoid is the true click probability.
     pub fn true_logit(&self, dense: &[f32], bags: &[&[i64]]) -> f64 {
+        BIAS + self.config.signal * self.planted(dense, bags)
+    }
+
+    /// The planted logit of label column `task` (0 is [`SyntheticSampler::true_logit`]).
+    pub fn task_logit(&self, task: usize, dense: &[f32], bags: &[&[i64]]) -> f64 {
+        let z = self.planted(dense, bags);
+        if task == 0 {
+            return BIAS + self.config.signal * z;
+        }
+        // The task's own per-id effects: the latent values of a task-salted seed.
+        let mut own = 0.0;
+        for (f, bag) in bags.iter().enumerate() {
+            if !bag.is_empty() {
+                own += bag
+                    .iter()
+                    .map(|&id| self.latent_of(self.seed ^ (task as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15), f, id))
+                    .sum::<f64>()
+                    / bag.len() as f64;
+            }
+        }
+        BIAS - 0.5 + self.config.signal * (0.6 * z + 0.8 * own)
+    }
+
+    /// The planted signal `z` of an example (its logit is `BIAS + signal * z`).
+    fn planted(&self, dense: &[f32], bags: &[&[i64]]) -> f64 {
         let c = |j: usize| (1.0 + self.dense_means[j]).ln();
         let mut z: f64 = dense.iter().enumerate().map(|(j, &x)| self.dense_weights[j] * (x as f64 - c(j))).sum();
         if dense.len() >= 2 {
@@ -178,7 +225,7 @@ impl SyntheticSampler {
                 z += bag.iter().map(|&id| self.latent(f, id)).sum::<f64>() / bag.len() as f64;
             }
         }
-        BIAS + self.config.signal * z
+        z
     }
 
     fn samples(&self, split: Split) -> u64 {
@@ -232,14 +279,17 @@ impl SyntheticSampler {
             Ok(k) => k,
             Err(e) => return Some(Err(e.into())),
         };
-        let mut labels = Vec::with_capacity(n);
+        let num_labels = self.config.labels.len();
+        let mut labels = Vec::with_capacity(n * num_labels);
         let mut bags: Vec<&[i64]> = Vec::with_capacity(nf);
         for i in 0..n {
             bags.clear();
             bags.extend((0..nf).map(|f| sparse.feature(f).bag(i)));
-            let logit = self.true_logit(&dense[i * nd..(i + 1) * nd], &bags);
-            let prob = 1.0 / (1.0 + (-logit).exp());
-            labels.push(if rng.random::<f64>() < prob { 1.0 } else { 0.0 });
+            for t in 0..num_labels {
+                let logit = self.task_logit(t, &dense[i * nd..(i + 1) * nd], &bags);
+                let prob = 1.0 / (1.0 + (-logit).exp());
+                labels.push(if rng.random::<f64>() < prob { 1.0 } else { 0.0 });
+            }
         }
         let groups = self.config.session_size.map(|s| (start..start + n as u64).map(|i| (i / s) as i64).collect());
         Some(Ok(Batch { dense, num_dense: nd, sparse, labels, batch_size: n, groups }))
@@ -279,6 +329,59 @@ mod tests {
         };
         let feature_rows = config.sparse_features.iter().map(|f| (f.clone(), rows)).collect();
         SyntheticSampler::build(config, &SamplerContext { feature_rows, seed: 7, ..Default::default() }).unwrap()
+    }
+
+    #[test]
+    fn label_columns_and_sessions() {
+        let config = SyntheticConfig {
+            labels: vec!["click".into(), "like".into()],
+            session_size: Some(7),
+            eval_samples: 20_000,
+            ..serde_json_default()
+        };
+        let feature_rows = config.sparse_features.iter().map(|f| (f.clone(), 100)).collect();
+        let s =
+            SyntheticSampler::build(config, &SamplerContext { feature_rows, seed: 7, ..Default::default() }).unwrap();
+        assert_eq!(s.schema().labels, ["click", "like"]);
+        assert_eq!(s.schema().grouping_key.as_deref(), Some("session"));
+        let b = s.batch(Split::Eval, 0, 1, 1000).unwrap().unwrap();
+        assert_eq!(b.labels.len(), 2000);
+        assert!(b.labels.iter().all(|&y| y == 0.0 || y == 1.0));
+        // Sessions of 7 consecutive examples of the split: the batch starts at example 1000.
+        let g = b.groups.as_ref().unwrap();
+        // 1000 / 7 = 142 (remainder 6), so example 1001 opens session 143 and 1008 session 144.
+        assert_eq!((g[0], g[1], g[7], g[8], g[999]), (142, 143, 143, 144, 1999 / 7));
+        // The second task is rarer and a different function of the example.
+        let (mut rate, mut differ) = ([0.0f64; 2], 0);
+        let mut n = 0;
+        for b in s.batches(Split::Eval, 0, 4096).unwrap() {
+            let b = b.unwrap();
+            for i in 0..b.batch_size {
+                rate[0] += f64::from(b.labels[2 * i]);
+                rate[1] += f64::from(b.labels[2 * i + 1]);
+                differ += usize::from(b.labels[2 * i] != b.labels[2 * i + 1]);
+                n += 1;
+            }
+        }
+        assert!(rate[1] < rate[0], "{rate:?}");
+        assert!(differ > n / 10, "{differ} of {n} differ");
+    }
+
+    #[test]
+    fn bad_label_and_session_options() {
+        let rows = |c: &SyntheticConfig| c.sparse_features.iter().map(|f| (f.clone(), 100)).collect();
+        for (config, key) in [
+            (SyntheticConfig { labels: vec![], ..serde_json_default() }, "labels"),
+            (SyntheticConfig { labels: vec!["a".into(), "a".into()], ..serde_json_default() }, "labels"),
+            (SyntheticConfig { session_size: Some(0), ..serde_json_default() }, "session_size"),
+        ] {
+            let ctx = SamplerContext { feature_rows: rows(&config), ..Default::default() };
+            match SyntheticSampler::build(config, &ctx) {
+                Err(DataError::Config { key: k, .. }) => assert_eq!(k, key),
+                Err(other) => panic!("{other}"),
+                Ok(_) => panic!("{key} accepted"),
+            }
+        }
     }
 
     fn serde_json_default() -> SyntheticConfig {

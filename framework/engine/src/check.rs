@@ -58,6 +58,9 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
         _ => None,
     };
     problems.extend(sampler_problems);
+    if let Some(f) = &features {
+        problems.extend(task_problems(recipe, f));
+    }
     if let Some(f) = &features
         && f.grouping_key.is_none()
     {
@@ -72,7 +75,9 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     if model_problems.is_empty() {
         if let (Some(factory), Some(features)) = (recipe.model.kind().and_then(|k| registry.model_for(k)), &features) {
             let (sparse, sparse_dim_keys) = sparse_outputs(recipe);
-            let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys };
+            // Every declared task needs a logit, even one whose label column is unknown.
+            let num_tasks = if recipe.tasks.is_empty() { features.labels.len() } else { recipe.tasks.len() };
+            let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
             problems.extend(factory.check(&recipe.model.config(), &inputs));
         }
     }
@@ -82,6 +87,51 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     } else {
         Err(loaded.locate(problems))
     }
+}
+
+/// The job's tasks: (name, index of its label column in the sampler's labels). Without
+/// `[[tasks]]`, one task per label column. A task whose column is unknown is left out (and
+/// reported by [`check_loaded`]).
+pub fn job_tasks(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Vec<(String, usize)> {
+    if recipe.tasks.is_empty() {
+        return features.labels.iter().enumerate().map(|(i, l)| (l.clone(), i)).collect();
+    }
+    recipe
+        .tasks
+        .iter()
+        .filter_map(|t| {
+            let col = features.labels.iter().position(|l| l == t.label_column())?;
+            Some((t.name.clone(), col))
+        })
+        .collect()
+}
+
+/// `[[tasks]]` naming label columns the sampler does not have.
+fn task_problems(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Vec<Diagnostic> {
+    let sampler = recipe.data.sampler.kind().unwrap_or_default();
+    let mut out = Vec::new();
+    for (i, t) in recipe.tasks.iter().enumerate() {
+        let column = t.label_column();
+        if !features.labels.iter().any(|l| l == column) {
+            let key = if t.label.is_some() { "label" } else { "name" };
+            let names: Vec<&str> = features.labels.iter().map(String::as_str).collect();
+            let mut help = trainrec_recipe::suggest(column, &format!("label columns of sampler {sampler}"), &names);
+            if sampler == "synthetic" {
+                help.push_str(" (set data.sampler.labels to add columns)");
+            }
+            out.push(
+                Diagnostic::new(
+                    KeyPath::root().key("tasks").index(i).key(key),
+                    format!(
+                        "task {:?} predicts label column {column:?}, which sampler {sampler} does not have",
+                        t.name
+                    ),
+                )
+                .with_help(help),
+            );
+        }
+    }
+    out
 }
 
 /// Metrics that rank within groups, when the sampler gives no grouping key.

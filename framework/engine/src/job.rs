@@ -50,6 +50,10 @@ pub struct Job {
     model: Box<dyn DenseModel>,
     dense_opt: DenseOptimizer,
     num_dense: usize,
+    /// (name, label column) per task.
+    tasks: Vec<(String, usize)>,
+    /// Label columns the sampler writes per example.
+    num_labels: usize,
 }
 
 /// Sets libtorch's and the embedding kernels' thread counts.
@@ -103,29 +107,45 @@ impl Job {
 
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
-        let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys };
+        let tasks = crate::check::job_tasks(&recipe, features);
+        if tasks.is_empty() {
+            return Err(EngineError::Internal("the job has no task (check_loaded reports why)".into()));
+        }
+        let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks: tasks.len() };
         let kind = recipe.model.kind().unwrap_or_default();
         let model_factory =
             registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
         let model = model_factory.build(&vs.root(), &recipe.model.config(), &inputs)?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
-        Ok(Self { recipe, resolved_toml, sampler, ebc, _vs: vs, model, dense_opt, num_dense: features.num_dense })
+        Ok(Self {
+            recipe,
+            resolved_toml,
+            sampler,
+            ebc,
+            _vs: vs,
+            model,
+            dense_opt,
+            num_dense: features.num_dense,
+            tasks,
+            num_labels: features.labels.len(),
+        })
     }
 
     fn tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor, Tensor), EngineError> {
         let b = batch.batch_size as i64;
         if batch.dense.len() != batch.batch_size * self.num_dense
-            || batch.labels.len() != batch.batch_size
+            || batch.labels.len() != batch.batch_size * self.num_labels
             || batch.sparse.stride() != batch.batch_size
         {
             return Err(EngineError::Data(trainrec_data::DataError::Config {
                 key: String::new(),
                 message: format!(
-                    "the sampler produced an inconsistent batch: batch_size {}, {} dense values ({} per example expected), {} labels, sparse stride {}",
+                    "the sampler produced an inconsistent batch: batch_size {}, {} dense values ({} per example expected), {} labels ({} per example expected), sparse stride {}",
                     batch.batch_size,
                     batch.dense.len(),
                     self.num_dense,
                     batch.labels.len(),
+                    self.num_labels,
                     batch.sparse.stride()
                 ),
             }));
@@ -133,16 +153,23 @@ impl Job {
         let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?;
         let pooled = self.ebc.forward(&batch.sparse)?;
         let sparse = Tensor::from_slice(pooled.values()).f_view([b, pooled.width() as i64])?;
-        let labels = Tensor::from_slice(&batch.labels);
+        // [batch, tasks]: each task's label column.
+        let columns: Vec<i64> = self.tasks.iter().map(|&(_, c)| c as i64).collect();
+        let labels = Tensor::from_slice(&batch.labels)
+            .f_view([b, self.num_labels as i64])?
+            .f_index_select(1, &Tensor::from_slice(&columns))?;
         Ok((dense, sparse, labels))
     }
 
-    /// One training step; returns the batch's mean loss.
+    /// One training step; returns the batch's loss: the sum over tasks of the mean binary
+    /// cross entropy (the mean for one task).
     pub fn train_step(&mut self, batch: &Batch) -> Result<f64, EngineError> {
         let (dense, sparse, labels) = self.tensors(batch)?;
         let sparse = sparse.set_requires_grad(true);
         let logits = self.model.forward(&dense, &sparse, true);
-        let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean);
+        // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
+        let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean)
+            * self.tasks.len() as f64;
         self.dense_opt.zero_grad();
         loss.backward();
         self.dense_opt.step();
@@ -153,8 +180,15 @@ impl Job {
         Ok(loss.double_value(&[]))
     }
 
-    /// Evaluates on the eval split; returns the metrics by name.
+    /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
+    /// job has several tasks).
     pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
+        let suite = self.metric_suite()?;
+        self.evaluate_with(suite)
+    }
+
+    /// A fresh suite of the recipe's metrics.
+    fn metric_suite(&self) -> Result<MetricSuite, EngineError> {
         let metrics: Vec<Box<dyn Metric>> = self
             .recipe
             .metrics
@@ -199,7 +233,15 @@ impl Job {
                 })
             })
             .collect::<Result<_, _>>()?;
-        let mut suite = MetricSuite::new(metrics)?;
+        Ok(MetricSuite::new(metrics)?)
+    }
+
+    /// Evaluates with `first` as the first task's suite (and fresh suites for the others).
+    fn evaluate_with(&self, first: MetricSuite) -> Result<BTreeMap<String, f64>, EngineError> {
+        let mut suites = vec![first];
+        for _ in 1..self.tasks.len() {
+            suites.push(self.metric_suite()?);
+        }
         let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
         let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
         let mut seen = 0u64;
@@ -207,21 +249,34 @@ impl Job {
             let batch = batch?;
             let (dense, sparse, _) = self.tensors(&batch)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
-            let probs: Vec<f32> =
-                Vec::try_from(&probs).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
-            let input = TaskBatch {
-                predictions: &probs,
-                labels: &batch.labels,
-                weights: None,
-                groups: batch.groups.as_deref(),
-            };
-            suite.update_batch(&input)?;
+            let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
+                .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
+            let (t_count, n) = (self.tasks.len(), batch.batch_size);
+            for (t, (suite, &(_, col))) in suites.iter_mut().zip(&self.tasks).enumerate() {
+                let predictions: Vec<f32> = (0..n).map(|i| probs[i * t_count + t]).collect();
+                let labels: Vec<f32> = (0..n).map(|i| batch.labels[i * self.num_labels + col]).collect();
+                let input = TaskBatch {
+                    predictions: &predictions,
+                    labels: &labels,
+                    weights: None,
+                    groups: batch.groups.as_deref(),
+                };
+                suite.update_batch(&input)?;
+            }
             seen += batch.batch_size as u64;
         }
         if seen == 0 {
             return Err(EngineError::EmptySplit("eval"));
         }
-        Ok(suite.report(0, trainrec_metrics::Split::Eval).metrics)
+        // One task: plain names (`auc`); several: `<metric>-<task>` (`auc-click`).
+        let mut out = BTreeMap::new();
+        for (suite, (task, _)) in suites.iter().zip(&self.tasks) {
+            for (name, v) in suite.report(0, trainrec_metrics::Split::Eval).metrics {
+                let key = if self.tasks.len() == 1 { name } else { format!("{name}-{task}") };
+                out.insert(key, v);
+            }
+        }
+        Ok(out)
     }
 
     /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run

@@ -67,7 +67,7 @@ impl DenseModel for Dlrm {
         let dots = all.bmm(&all.transpose(1, 2));
         let pairs = dots.index(&[None, Some(&self.triu.0), Some(&self.triu.1)]);
         let x = Tensor::cat(&[d, pairs], 1);
-        self.over.forward(&x).squeeze_dim(1)
+        self.over.forward(&x)
     }
 }
 
@@ -99,14 +99,16 @@ impl ModelFactory for DlrmFactory {
                 }
             }
         }
-        if cfg.over_arch.last().is_some_and(|&s| s != 1) {
+        let tasks = inputs.num_tasks;
+        if cfg.over_arch.last().is_some_and(|&s| s != tasks) {
             let i = cfg.over_arch.len() - 1;
+            let what = if tasks == 1 { "1 (one logit)".to_owned() } else { format!("{tasks} (one logit per task)") };
             out.push(
                 Diagnostic::new(
                     model.key("over_arch").index(i),
-                    format!("the last over_arch layer must have size 1 (one logit), found {}", cfg.over_arch[i]),
+                    format!("the last over_arch layer must have size {what}, found {}", cfg.over_arch[i]),
                 )
-                .with_help("end over_arch with 1"),
+                .with_help(format!("end over_arch with {tasks}")),
             );
         }
         if let Some(&dim) = cfg.dense_arch.last() {
@@ -153,6 +155,7 @@ mod tests {
             num_dense: 3,
             sparse: dims.iter().enumerate().map(|(i, &d)| (format!("f{i}"), d)).collect(),
             sparse_dim_keys: (0..dims.len()).map(|i| KeyPath::root().key("tables").index(i).key("dim")).collect(),
+            num_tasks: 1,
         }
     }
 
@@ -172,7 +175,7 @@ mod tests {
         let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
         let x = Tensor::from_slice(&[dv[0], dv[1], dot(&dv, &e0), dot(&dv, &e1), dot(&e0, &e1)]).view([1, 5]);
         let want = m.over.forward(&x).double_value(&[0, 0]);
-        let got = m.forward(&dense, &sparse, false).double_value(&[0]);
+        let got = m.forward(&dense, &sparse, false).double_value(&[0, 0]);
         assert!((want - got).abs() < 1e-6, "{want} vs {got}");
     }
 
@@ -185,5 +188,10 @@ mod tests {
         assert!(
             DlrmFactory.check(&serde_json::json!({"dense_arch": [4], "over_arch": [1]}), &inputs(&[4, 4])).is_empty()
         );
+        // Two tasks: two logits.
+        let two = ModelInputs { num_tasks: 2, ..inputs(&[4, 4]) };
+        assert!(DlrmFactory.check(&serde_json::json!({"dense_arch": [4], "over_arch": [8, 2]}), &two).is_empty());
+        let p = DlrmFactory.check(&serde_json::json!({"dense_arch": [4], "over_arch": [8, 1]}), &two);
+        assert!(p[0].message.contains("size 2 (one logit per task)"), "{}", p[0].message);
     }
 }

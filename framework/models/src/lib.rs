@@ -34,12 +34,14 @@ pub struct ModelInputs {
     /// Where the sparse outputs' dims are set in the recipe, for error messages: one path per
     /// output, e.g. `tables[0].dim`.
     pub sparse_dim_keys: Vec<KeyPath>,
+    /// Number of tasks: the model predicts one logit per task (the job's `[[tasks]]`).
+    pub num_tasks: usize,
 }
 
-/// A dense model: dense features + pooled embeddings in, one logit per example out.
+/// A dense model: dense features + pooled embeddings in, one logit per example and task out.
 pub trait DenseModel: Send {
-    /// Logits `[batch]` from dense features `[batch, num_dense]` and pooled embeddings
-    /// `[batch, sum(dims)]`.
+    /// Logits `[batch, num_tasks]` from dense features `[batch, num_dense]` and pooled
+    /// embeddings `[batch, sum(dims)]`.
     fn forward(&self, dense: &Tensor, sparse: &Tensor, train: bool) -> Tensor;
 }
 

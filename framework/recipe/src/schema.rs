@@ -29,6 +29,29 @@ pub struct Recipe {
     /// Metrics computed on the eval split (`[[metrics]]`).
     #[serde(default = "defaults::metrics")]
     pub metrics: Vec<MetricSection>,
+    /// The tasks (`[[tasks]]`): one logit, loss term and set of metrics per task. Default: one
+    /// task per label column of the sampler.
+    #[serde(default)]
+    pub tasks: Vec<TaskSection>,
+}
+
+/// `[[tasks]]`: one prediction task of a multi-task job (TorchRec's `RecTaskInfo`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSection {
+    /// Task name; metrics are reported as `<metric>-<name>` (e.g. `auc-click`) when a job has
+    /// more than one task.
+    pub name: String,
+    /// The sampler's label column this task predicts. Default: the task's name.
+    #[serde(default)]
+    pub label: Option<String>,
+}
+
+impl TaskSection {
+    /// The label column: `label`, or the task's name.
+    pub fn label_column(&self) -> &str {
+        self.label.as_deref().unwrap_or(&self.name)
+    }
 }
 
 /// `[run]`: identity of the run.

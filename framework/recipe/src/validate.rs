@@ -248,6 +248,14 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             _ => {}
         }
     }
+    for (i, t) in recipe.tasks.iter().enumerate() {
+        if let Some(first) = recipe.tasks[..i].iter().position(|x| x.name == t.name) {
+            out.push(
+                Diagnostic::new(root.key("tasks").index(i).key("name"), format!("task {:?} is listed twice", t.name))
+                    .with_help(format!("tasks[{first}] has the same name; task names must be unique")),
+            );
+        }
+    }
     if recipe.metrics.is_empty() {
         out.push(
             Diagnostic::new(root.key("metrics"), "no metrics")
