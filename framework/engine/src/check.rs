@@ -58,6 +58,7 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
         _ => None,
     };
     problems.extend(sampler_problems);
+    problems.extend(plugin_metric_problems(recipe, registry));
     if let Some(f) = &features {
         problems.extend(task_problems(recipe, f));
     }
@@ -129,6 +130,32 @@ fn task_problems(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> 
                 )
                 .with_help(help),
             );
+        }
+    }
+    out
+}
+
+/// `[[metrics]] kind = "plugin"` entries: a registered name, options valid for its schema.
+fn plugin_metric_problems(recipe: &trainrec_recipe::Recipe, registry: &Registry) -> Vec<Diagnostic> {
+    let mut out = Vec::new();
+    for (i, m) in recipe.metrics.iter().enumerate() {
+        let trainrec_recipe::MetricSection::Plugin { name, options } = m else { continue };
+        let at = KeyPath::root().key("metrics").index(i);
+        match registry.metric_for(name) {
+            None => {
+                let names = registry.metric_names();
+                let help = if names.is_empty() {
+                    "no plugin metric is registered in this binary (plugins add theirs with Registry::metric)"
+                        .to_owned()
+                } else {
+                    trainrec_recipe::suggest(name, "plugin metrics", &names)
+                };
+                out.push(Diagnostic::new(at.key("name"), format!("unknown plugin metric \"{name}\"")).with_help(help));
+            }
+            Some(factory) => {
+                let mut value = serde_json::Value::Object(options.clone());
+                trainrec_recipe::walk::check(&factory.config_schema(), &mut value, &at.key("options"), &mut out);
+            }
         }
     }
     out

@@ -54,6 +54,8 @@ pub struct Job {
     tasks: Vec<(String, usize)>,
     /// Label columns the sampler writes per example.
     num_labels: usize,
+    /// The plugin metrics the recipe names, by name.
+    plugin_metrics: BTreeMap<String, std::sync::Arc<dyn crate::registry::MetricFactory>>,
 }
 
 /// Sets libtorch's and the embedding kernels' thread counts.
@@ -107,6 +109,15 @@ impl Job {
 
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
+        let mut plugin_metrics = BTreeMap::new();
+        for m in &recipe.metrics {
+            if let MetricSection::Plugin { name, .. } = m {
+                let factory = registry
+                    .metric_for(name)
+                    .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?;
+                plugin_metrics.insert(name.clone(), factory);
+            }
+        }
         let tasks = crate::check::job_tasks(&recipe, features);
         if tasks.is_empty() {
             return Err(EngineError::Internal("the job has no task (check_loaded reports why)".into()));
@@ -128,6 +139,7 @@ impl Job {
             num_dense: features.num_dense,
             tasks,
             num_labels: features.labels.len(),
+            plugin_metrics,
         })
     }
 
@@ -230,6 +242,13 @@ impl Job {
                         Box::new(LifetimeMetric::new(SumMetricKind::Recall { threshold: *threshold }))
                     }
                     MetricSection::WeightedAvg {} => Box::new(LifetimeMetric::new(SumMetricKind::WeightedAvg)),
+                    MetricSection::Plugin { name, options } => {
+                        let factory = self
+                            .plugin_metrics
+                            .get(name)
+                            .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?;
+                        factory.build(&serde_json::Value::Object(options.clone()))?
+                    }
                 })
             })
             .collect::<Result<_, _>>()?;

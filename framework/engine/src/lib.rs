@@ -9,4 +9,4 @@ pub mod registry;
 pub use check::{check_loaded, load_and_check};
 pub use error::EngineError;
 pub use job::{Job, RunSummary, configure_threads};
-pub use registry::{Registry, SamplerFactory, TypedSampler};
+pub use registry::{MetricFactory, Registry, SamplerFactory, TypedMetric, TypedSampler};

@@ -22,6 +22,13 @@ pub fn recipe_reference(registry: &Registry) -> String {
         let factory = registry.sampler_for(kind).expect("listed kind");
         out.push_str(&render(&format!("data.sampler (kind = \"{kind}\")"), &factory.config_schema(), None));
     }
+    if !registry.metric_names().is_empty() {
+        out.push_str("\n## Plugin metrics\n");
+        for name in registry.metric_names() {
+            let factory = registry.metric_for(name).expect("listed name");
+            out.push_str(&render(&format!("metrics[].options (name = \"{name}\")"), &factory.config_schema(), None));
+        }
+    }
     out.push_str("\n## Models\n");
     for kind in registry.model_kinds() {
         let factory = registry.model_for(kind).expect("listed kind");

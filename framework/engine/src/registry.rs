@@ -1,10 +1,13 @@
-//! The registry: samplers and models by name. Built-ins register exactly as plugins do.
+//! The registry: samplers, models and plugin metrics by name. Built-in samplers and models
+//! register exactly as plugins do; built-in metrics are the recipe's typed `[[metrics]]` kinds.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use trainrec_data::{DataError, FeatureSchema, Sampler, SamplerContext};
+use trainrec_metrics::{Metric, MetricError};
 use trainrec_models::ModelFactory;
 
 /// Builds a sampler from its recipe section (`[data.sampler]`, `kind` removed).
@@ -54,11 +57,54 @@ impl<S: TypedSampler> SamplerFactory for Typed<S> {
     }
 }
 
-/// Samplers and models by `kind`.
+/// Builds a plugin metric from its recipe entry
+/// (`[[metrics]] kind = "plugin", name = "...", options = {...}`).
+pub trait MetricFactory: Send + Sync {
+    /// The name it registers under (the entry's `name`).
+    fn name(&self) -> &'static str;
+    /// JSON schema of its `options` (drives validation and the reference page).
+    fn config_schema(&self) -> Value;
+    /// A fresh metric over a whole eval split.
+    fn build(&self, options: &Value) -> Result<Box<dyn Metric>, MetricError>;
+}
+
+/// A metric with typed options: implement this and register it with [`Registry::metric`].
+/// The metric is fed every eval batch ([`Metric::update_batch`], with the sampler's grouping
+/// keys) and reported under the names of [`Metric::output_names`] (with `-<task>` appended
+/// in a multi-task job).
+pub trait TypedMetric: Metric + Sized + 'static {
+    /// The typed options (`deny_unknown_fields`, a doc comment on every field).
+    type Config: DeserializeOwned + schemars::JsonSchema;
+    /// The name it registers under.
+    const NAME: &'static str;
+    /// A fresh metric.
+    fn build(config: &Self::Config) -> Result<Self, MetricError>;
+}
+
+struct TypedMetricFactory<M>(std::marker::PhantomData<fn() -> M>);
+
+impl<M: TypedMetric> MetricFactory for TypedMetricFactory<M> {
+    fn name(&self) -> &'static str {
+        M::NAME
+    }
+    fn config_schema(&self) -> Value {
+        serde_json::to_value(schemars::schema_for!(M::Config)).expect("schema serializes")
+    }
+    fn build(&self, options: &Value) -> Result<Box<dyn Metric>, MetricError> {
+        let config: M::Config = serde_path_to_error::deserialize(options).map_err(|e| MetricError::Option {
+            metric: M::NAME,
+            message: format!("options.{}: {}", e.path(), e.inner()),
+        })?;
+        Ok(Box::new(M::build(&config)?))
+    }
+}
+
+/// Samplers and models by `kind`, plugin metrics by name.
 #[derive(Default)]
 pub struct Registry {
     samplers: BTreeMap<&'static str, Box<dyn SamplerFactory>>,
     models: BTreeMap<&'static str, Box<dyn ModelFactory>>,
+    metrics: BTreeMap<&'static str, Arc<dyn MetricFactory>>,
 }
 
 impl Registry {
@@ -90,6 +136,27 @@ impl Registry {
     pub fn model(mut self, factory: impl ModelFactory + 'static) -> Self {
         self.models.insert(factory.kind(), Box::new(factory));
         self
+    }
+
+    /// Registers a typed plugin metric.
+    pub fn metric<M: TypedMetric>(self) -> Self {
+        self.metric_factory(TypedMetricFactory::<M>(std::marker::PhantomData))
+    }
+
+    /// Registers a plugin metric factory (replacing one of the same name).
+    pub fn metric_factory(mut self, factory: impl MetricFactory + 'static) -> Self {
+        self.metrics.insert(factory.name(), Arc::new(factory));
+        self
+    }
+
+    /// The plugin metric registered as `name`.
+    pub fn metric_for(&self, name: &str) -> Option<Arc<dyn MetricFactory>> {
+        self.metrics.get(name).cloned()
+    }
+
+    /// Registered plugin metric names, sorted.
+    pub fn metric_names(&self) -> Vec<&'static str> {
+        self.metrics.keys().copied().collect()
     }
 
     /// The sampler factory registered as `kind`.

@@ -308,6 +308,15 @@ pub enum MetricSection {
     },
     /// Weighted mean prediction `Σ w p / Σ w`.
     WeightedAvg {},
+    /// A metric a plugin registered (`Registry::metric`): `name` picks it, `options` are its
+    /// own keys, checked against its schema.
+    Plugin {
+        /// The registered metric's name.
+        name: String,
+        /// The metric's options (see the plugin's reference section).
+        #[serde(default)]
+        options: serde_json::Map<String, serde_json::Value>,
+    },
 }
 
 /// Defaults, declared once.

@@ -225,9 +225,10 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         }
     }
     for (i, m) in recipe.metrics.iter().enumerate() {
-        if let Some(first) =
-            recipe.metrics[..i].iter().position(|x| std::mem::discriminant(x) == std::mem::discriminant(m))
-        {
+        if let Some(first) = recipe.metrics[..i].iter().position(|x| match (x, m) {
+            (MetricSection::Plugin { name: a, .. }, MetricSection::Plugin { name: b, .. }) => a == b,
+            _ => std::mem::discriminant(x) == std::mem::discriminant(m),
+        }) {
             out.push(
                 Diagnostic::new(root.key("metrics").index(i).key("kind"), "this metric is listed twice")
                     .with_help(format!("metrics[{first}] is the same kind; keep one")),

@@ -9,7 +9,9 @@ pub mod report;
 pub use trainrec_data as data;
 pub use trainrec_embedding as embedding;
 pub use trainrec_engine as engine;
-pub use trainrec_engine::{EngineError, Job, Registry, RunSummary, SamplerFactory, TypedSampler};
+pub use trainrec_engine::{
+    EngineError, Job, MetricFactory, Registry, RunSummary, SamplerFactory, TypedMetric, TypedSampler,
+};
 pub use trainrec_metrics as metrics;
 pub use trainrec_models as models;
 pub use trainrec_recipe as recipe;
@@ -18,7 +20,8 @@ pub use trainrec_sparse as sparse;
 /// The names most programs need.
 pub mod prelude {
     pub use trainrec_data::{Batch, DataError, FeatureSchema, Sampler, SamplerContext, Split};
-    pub use trainrec_engine::{Job, Registry, TypedSampler};
+    pub use trainrec_engine::{Job, Registry, TypedMetric, TypedSampler};
+    pub use trainrec_metrics::{Metric, MetricError, TaskBatch};
     pub use trainrec_models::{DenseModel, ModelFactory, ModelInputs};
     pub use trainrec_recipe::{LoadOptions, Recipe};
     pub use trainrec_sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
