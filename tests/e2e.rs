@@ -161,6 +161,52 @@ fn two_tasks_learn_their_own_labels() {
     assert!(!m.contains_key("auc"), "multi-task names carry the task: {m:?}");
 }
 
+/// The `train` lines of a run's `metrics.jsonl` that carry `key`, by step.
+fn train_lines(dir: &Path, key: &str) -> Vec<(u64, serde_json::Value)> {
+    let log = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    log.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["split"] == "train" && v["metrics"].get(key).is_some())
+        .map(|v| (v["step"].as_u64().unwrap(), v["metrics"].clone()))
+        .collect()
+}
+
+#[test]
+fn train_metrics_report_lifetime_and_window_every_interval() {
+    let recipe = workspace().join("recipes/metrics/train_windows.toml");
+    let dir = out_dir("train-windows");
+    run(&recipe, &["train.steps=300".into(), format!("run.output_dir=\"{}\"", dir.display())]);
+    let lines = train_lines(&dir, "window_ne");
+    assert_eq!(lines.iter().map(|l| l.0).collect::<Vec<_>>(), [100, 200, 300]);
+    for (step, m) in &lines {
+        let f = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("step {step}: no {k} in {m}"));
+        for p in ["lifetime", "window"] {
+            // calibration = weighted_avg / ctr, window by window.
+            let cal = f(&format!("{p}_calibration"));
+            assert!((cal - f(&format!("{p}_weighted_avg")) / f(&format!("{p}_ctr"))).abs() < 1e-9, "{m}");
+        }
+        assert!(f("window_auc") > 0.5 && f("lifetime_ne") < 1.2, "{m}");
+    }
+    // The window (20,000 samples = 40 batches of 512) follows training: its AUC rises past the
+    // lifetime view, which still remembers the untrained start.
+    let last = &lines[2].1;
+    assert!(last["window_ne"].as_f64().unwrap() < last["lifetime_ne"].as_f64().unwrap(), "{last}");
+    // A window larger than the run equals the lifetime value.
+    let dir = out_dir("train-windows-all");
+    run(
+        &recipe,
+        &[
+            "train.steps=100".into(),
+            "train.metrics_window=1000000".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ],
+    );
+    let m = &train_lines(&dir, "window_ne")[0].1;
+    for k in ["ne", "calibration", "ctr"] {
+        assert_eq!(m[format!("window_{k}")], m[format!("lifetime_{k}")], "{k}: {m}");
+    }
+}
+
 #[test]
 fn same_seed_same_metrics() {
     let go = |name: &str| {

@@ -13,8 +13,8 @@ use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
 use trainrec_metrics::sinks::{CsvSink, TensorBoardSink};
 use trainrec_metrics::{
-    AucMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SessionMetric, SessionMetricKind, SplitAuprc,
-    SumMetricKind, TaskBatch, ThroughputMetric,
+    AucMetric, AuprcMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SessionMetric, SessionMetricKind,
+    SplitAuprc, SumMetric, SumMetricKind, TaskBatch, ThroughputMetric,
 };
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
@@ -176,6 +176,16 @@ impl Job {
     /// One training step; returns the batch's loss: the sum over tasks of the mean binary
     /// cross entropy (the mean for one task).
     pub fn train_step(&mut self, batch: &Batch) -> Result<f64, EngineError> {
+        Ok(self.train_step_with(batch, false)?.0)
+    }
+
+    /// [`Job::train_step`]; with `want_predictions`, also the batch's predicted probabilities
+    /// `[batch, tasks]` row-major (before this step's update).
+    fn train_step_with(
+        &mut self,
+        batch: &Batch,
+        want_predictions: bool,
+    ) -> Result<(f64, Option<Vec<f32>>), EngineError> {
         let (dense, sparse, labels) = self.tensors(batch)?;
         let sparse = sparse.set_requires_grad(true);
         let logits = self.model.forward(&dense, &sparse, true);
@@ -189,7 +199,13 @@ impl Job {
         let grad: Vec<f32> =
             Vec::try_from(&grad).map_err(|e| EngineError::Internal(format!("embedding gradient: {e}")))?;
         self.ebc.backward_and_update(&batch.sparse, &grad)?;
-        Ok(loss.double_value(&[]))
+        let predictions = if want_predictions {
+            let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
+            Some(Vec::try_from(&p).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?)
+        } else {
+            None
+        };
+        Ok((loss.double_value(&[]), predictions))
     }
 
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
@@ -210,45 +226,16 @@ impl Job {
                     MetricSection::Ne { include_logloss } => Box::new(NeMetric::new(*include_logloss)),
                     MetricSection::Auc { grouped: false } => Box::new(AucMetric::new()),
                     MetricSection::Auc { grouped: true } => Box::new(AucMetric::new().grouped()),
-                    MetricSection::Ndcg {
-                        k,
-                        exponential_gain,
-                        report_as_decreasing,
-                        remove_single_length_sessions,
-                    } => Box::new(SessionMetric::for_split(SessionMetricKind::Ndcg {
-                        k: *k,
-                        exponential_gain: *exponential_gain,
-                        report_as_decreasing: *report_as_decreasing,
-                        remove_single_length_sessions: *remove_single_length_sessions,
-                    })?),
-                    MetricSection::RecallSession { top_threshold, run_ranking_of_labels } => {
-                        Box::new(SessionMetric::for_split(SessionMetricKind::RecallSession {
-                            top_threshold: *top_threshold,
-                            run_ranking_of_labels: *run_ranking_of_labels,
-                        })?)
+                    MetricSection::Ndcg { .. } | MetricSection::RecallSession { .. } => {
+                        Box::new(SessionMetric::for_split(session_kind(m).expect("a session metric"))?)
                     }
                     MetricSection::Auprc {} => Box::new(SplitAuprc::new()),
-                    MetricSection::Calibration {} => Box::new(LifetimeMetric::new(SumMetricKind::Calibration)),
-                    MetricSection::Ctr {} => Box::new(LifetimeMetric::new(SumMetricKind::Ctr)),
-                    MetricSection::Mse {} => Box::new(LifetimeMetric::new(SumMetricKind::Mse)),
-                    MetricSection::Mae {} => Box::new(LifetimeMetric::new(SumMetricKind::Mae)),
-                    MetricSection::Accuracy { threshold } => {
-                        Box::new(LifetimeMetric::new(SumMetricKind::Accuracy { threshold: *threshold }))
-                    }
-                    MetricSection::Precision { threshold } => {
-                        Box::new(LifetimeMetric::new(SumMetricKind::Precision { threshold: *threshold }))
-                    }
-                    MetricSection::Recall { threshold } => {
-                        Box::new(LifetimeMetric::new(SumMetricKind::Recall { threshold: *threshold }))
-                    }
-                    MetricSection::WeightedAvg {} => Box::new(LifetimeMetric::new(SumMetricKind::WeightedAvg)),
-                    MetricSection::Plugin { name, options } => {
-                        let factory = self
-                            .plugin_metrics
-                            .get(name)
-                            .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?;
-                        factory.build(&serde_json::Value::Object(options.clone()))?
-                    }
+                    MetricSection::Plugin { name, options } => self
+                        .plugin_metrics
+                        .get(name)
+                        .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?
+                        .build(&serde_json::Value::Object(options.clone()))?,
+                    other => Box::new(LifetimeMetric::new(sum_kind(other).expect("a sum-state metric"))),
                 })
             })
             .collect::<Result<_, _>>()?;
@@ -270,32 +257,74 @@ impl Job {
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
-            let (t_count, n) = (self.tasks.len(), batch.batch_size);
-            for (t, (suite, &(_, col))) in suites.iter_mut().zip(&self.tasks).enumerate() {
-                let predictions: Vec<f32> = (0..n).map(|i| probs[i * t_count + t]).collect();
-                let labels: Vec<f32> = (0..n).map(|i| batch.labels[i * self.num_labels + col]).collect();
-                let input = TaskBatch {
-                    predictions: &predictions,
-                    labels: &labels,
-                    weights: None,
-                    groups: batch.groups.as_deref(),
-                };
-                suite.update_batch(&input)?;
-            }
+            self.feed(&mut suites, &probs, &batch)?;
             seen += batch.batch_size as u64;
         }
         if seen == 0 {
             return Err(EngineError::EmptySplit("eval"));
         }
-        // One task: plain names (`auc`); several: `<metric>-<task>` (`auc-click`).
+        Ok(self.values(&suites))
+    }
+
+    /// Feeds one batch's predictions `[batch, tasks]` to each task's suite.
+    fn feed(&self, suites: &mut [MetricSuite], probs: &[f32], batch: &Batch) -> Result<(), EngineError> {
+        let (t_count, n) = (self.tasks.len(), batch.batch_size);
+        for (t, (suite, &(_, col))) in suites.iter_mut().zip(&self.tasks).enumerate() {
+            let predictions: Vec<f32> = (0..n).map(|i| probs[i * t_count + t]).collect();
+            let labels: Vec<f32> = (0..n).map(|i| batch.labels[i * self.num_labels + col]).collect();
+            let input = TaskBatch {
+                predictions: &predictions,
+                labels: &labels,
+                weights: None,
+                groups: batch.groups.as_deref(),
+            };
+            suite.update_batch(&input)?;
+        }
+        Ok(())
+    }
+
+    /// Every task's values: plain names (`auc`) for one task, `<metric>-<task>` (`auc-click`)
+    /// for several.
+    fn values(&self, suites: &[MetricSuite]) -> BTreeMap<String, f64> {
         let mut out = BTreeMap::new();
         for (suite, (task, _)) in suites.iter().zip(&self.tasks) {
-            for (name, v) in suite.report(0, trainrec_metrics::Split::Eval).metrics {
+            for (name, v) in suite.compute() {
                 let key = if self.tasks.len() == 1 { name } else { format!("{name}-{task}") };
                 out.insert(key, v);
             }
         }
-        Ok(out)
+        out
+    }
+
+    /// The recipe's metrics for training batches: lifetime and windowed values over the latest
+    /// `train.metrics_window` samples (TorchRec's `RecMetricModule` on the train loop).
+    fn train_metric_suite(&self) -> Result<MetricSuite, EngineError> {
+        let w = self.recipe.train.metrics_window as usize;
+        let metrics: Vec<Box<dyn Metric>> = self
+            .recipe
+            .metrics
+            .iter()
+            .map(|m| -> Result<Box<dyn Metric>, EngineError> {
+                Ok(match m {
+                    MetricSection::Auc { grouped } => {
+                        let auc = AucMetric::with_window(w)?;
+                        let auc = if *grouped { auc.grouped() } else { auc };
+                        Box::new(WindowNamed(Box::new(auc)))
+                    }
+                    MetricSection::Auprc {} => Box::new(AuprcMetric::new(w)?),
+                    MetricSection::Ndcg { .. } | MetricSection::RecallSession { .. } => {
+                        Box::new(SessionMetric::new(session_kind(m).expect("a session metric"), w)?)
+                    }
+                    MetricSection::Plugin { name, options } => self
+                        .plugin_metrics
+                        .get(name)
+                        .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?
+                        .build(&serde_json::Value::Object(options.clone()))?,
+                    other => Box::new(SumMetric::new(sum_kind(other).expect("a sum-state metric"), w)?),
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(MetricSuite::new(metrics)?)
     }
 
     /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run
@@ -316,6 +345,11 @@ impl Job {
         let mut first_loss = None;
         let mut last_loss = 0.0;
         let mut last_eval = None;
+        // The metrics on training batches (one suite per task), when asked for.
+        let mut train_suites = match train.metrics_every {
+            Some(_) => Some((0..self.tasks.len()).map(|_| self.train_metric_suite()).collect::<Result<Vec<_>, _>>()?),
+            None => None,
+        };
         // TorchRec's throughput metric: examples per second after 100 warm-up steps.
         let mut throughput = ThroughputMetric::new(
             trainrec_metrics::THROUGHPUT_WARMUP_STEPS,
@@ -327,7 +361,10 @@ impl Job {
             let _span = tracing::info_span!("epoch", epoch).entered();
             for batch in self.sampler.batches(Split::Train, epoch, bs)? {
                 let batch = batch?;
-                let loss = self.train_step(&batch)?;
+                let (loss, predictions) = self.train_step_with(&batch, train_suites.is_some())?;
+                if let (Some(suites), Some(p)) = (&mut train_suites, &predictions) {
+                    self.feed(suites, p, &batch)?;
+                }
                 step += 1;
                 in_epoch += 1;
                 samples += batch.batch_size as u64;
@@ -335,6 +372,8 @@ impl Job {
                 window.0 += loss;
                 window.1 += 1;
                 bar.inc(1);
+                // One `train` line per step that reports anything.
+                let mut train_values = BTreeMap::new();
                 if step % train.log_every == 0 {
                     let mean = window.0 / window.1 as f64;
                     first_loss.get_or_insert(mean);
@@ -347,7 +386,15 @@ impl Job {
                     }
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
-                    log.write(step, "train", &values)?;
+                    train_values.extend(values);
+                }
+                if let (Some(every), Some(suites)) = (train.metrics_every, &train_suites)
+                    && step % every == 0
+                {
+                    train_values.extend(self.values(suites));
+                }
+                if !train_values.is_empty() {
+                    log.write(step, "train", &std::mem::take(&mut train_values))?;
                 }
                 if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) {
                     let m = self.evaluate()?;
@@ -416,6 +463,60 @@ fn progress_bar(steps: Option<u64>, enabled: bool) -> ProgressBar {
     };
     bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
     bar
+}
+
+/// The sum-state kind of a `[[metrics]]` entry, if it is one.
+fn sum_kind(m: &MetricSection) -> Option<SumMetricKind> {
+    Some(match *m {
+        MetricSection::Ne { include_logloss } => SumMetricKind::Ne { include_logloss },
+        MetricSection::Calibration {} => SumMetricKind::Calibration,
+        MetricSection::Ctr {} => SumMetricKind::Ctr,
+        MetricSection::Mse {} => SumMetricKind::Mse,
+        MetricSection::Mae {} => SumMetricKind::Mae,
+        MetricSection::Accuracy { threshold } => SumMetricKind::Accuracy { threshold },
+        MetricSection::Precision { threshold } => SumMetricKind::Precision { threshold },
+        MetricSection::Recall { threshold } => SumMetricKind::Recall { threshold },
+        MetricSection::WeightedAvg {} => SumMetricKind::WeightedAvg,
+        _ => return None,
+    })
+}
+
+/// The session kind of a `[[metrics]]` entry, if it is one.
+fn session_kind(m: &MetricSection) -> Option<SessionMetricKind> {
+    Some(match *m {
+        MetricSection::Ndcg { k, exponential_gain, report_as_decreasing, remove_single_length_sessions } => {
+            SessionMetricKind::Ndcg { k, exponential_gain, report_as_decreasing, remove_single_length_sessions }
+        }
+        MetricSection::RecallSession { top_threshold, run_ranking_of_labels } => {
+            SessionMetricKind::RecallSession { top_threshold, run_ranking_of_labels }
+        }
+        _ => return None,
+    })
+}
+
+/// A windowed metric that reports plain names (AUC's `auc`) under `window_<name>`, as TorchRec
+/// names its window values.
+struct WindowNamed(Box<dyn Metric>);
+
+impl Metric for WindowNamed {
+    fn output_names(&self) -> Vec<String> {
+        self.0.output_names().into_iter().map(|n| format!("window_{n}")).collect()
+    }
+    fn update(&mut self, p: &[f32], l: &[f32], w: Option<&[f32]>) -> Result<(), trainrec_metrics::MetricError> {
+        self.0.update(p, l, w)
+    }
+    fn update_batch(&mut self, b: &TaskBatch<'_>) -> Result<(), trainrec_metrics::MetricError> {
+        self.0.update_batch(b)
+    }
+    fn needs_groups(&self) -> bool {
+        self.0.needs_groups()
+    }
+    fn compute(&self) -> Vec<(String, f64)> {
+        self.0.compute().into_iter().map(|(n, v)| (format!("window_{n}"), v)).collect()
+    }
+    fn reset(&mut self) {
+        self.0.reset();
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so a reader never sees a

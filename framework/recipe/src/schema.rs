@@ -228,6 +228,14 @@ pub struct TrainSection {
     /// Show a progress bar (on a terminal only).
     #[serde(default = "defaults::progress")]
     pub progress: bool,
+    /// Also compute the `[[metrics]]` on the training batches, reporting them every this many
+    /// steps (TorchRec's `compute_interval_steps`) as `lifetime_<metric>` (every batch so far)
+    /// and `window_<metric>` (the latest `metrics_window` samples). Default: eval only.
+    #[serde(default)]
+    pub metrics_every: Option<u64>,
+    /// Window of the training metrics, in samples (TorchRec's `window_size`).
+    #[serde(default = "defaults::metrics_window")]
+    pub metrics_window: u64,
 }
 
 /// `[[metrics]]`: one metric on the eval split.
@@ -354,6 +362,10 @@ pub mod defaults {
     /// Default `train.log_every`.
     pub fn log_every() -> u64 {
         100
+    }
+    /// Default `train.metrics_window`: 100,000 samples.
+    pub fn metrics_window() -> u64 {
+        100_000
     }
     /// Default `train.progress`.
     pub fn progress() -> bool {

@@ -219,6 +219,8 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         ("eval_every", recipe.train.eval_every),
         ("eval_batches", recipe.train.eval_batches),
         ("log_every", Some(recipe.train.log_every)),
+        ("metrics_every", recipe.train.metrics_every),
+        ("metrics_window", Some(recipe.train.metrics_window)),
     ] {
         if v == Some(0) {
             out.push(Diagnostic::new(train.key(key), format!("{key} must be greater than 0")));
