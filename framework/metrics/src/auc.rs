@@ -72,6 +72,22 @@ impl AucMetric {
         Ok(Self { window: Some(window), samples: SampleWindow::new(false), grouped: false })
     }
 
+    /// The metric of one of `world` ranks sharing a global window of `window` samples: each
+    /// rank keeps `ceil(window / world)` (TorchRec's local window).
+    pub fn for_rank(window: usize, world: usize) -> Result<Self, MetricError> {
+        Self::with_window(window.div_ceil(world.max(1)))
+    }
+
+    /// Adds another rank's samples after this rank's (TorchRec's gather reduction for AUC):
+    /// computing afterwards gives the AUC over the union of the ranks' windows.
+    pub fn merge(&mut self, other: &AucMetric) -> Result<(), MetricError> {
+        if other.grouped != self.grouped || other.samples.is_grouped() != self.samples.is_grouped() {
+            return Err(MetricError::Incompatible { ours: "auc", theirs: "auc with other grouping" });
+        }
+        self.samples.append(&other.samples);
+        Ok(())
+    }
+
     /// The window size in samples, or `None` when every sample is kept.
     pub fn window(&self) -> Option<usize> {
         self.window

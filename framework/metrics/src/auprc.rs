@@ -42,6 +42,16 @@ impl AuprcMetric {
         })
     }
 
+    /// Adds another rank's state: its window samples after this rank's (gather) and its
+    /// lifetime bins (sum), as TorchRec reduces AUPRC.
+    pub fn merge(&mut self, other: &AuprcMetric) -> Result<(), MetricError> {
+        self.samples.append(&other.samples);
+        self.positive.iter_mut().zip(&other.positive).for_each(|(a, b)| *a += b);
+        self.negative.iter_mut().zip(&other.negative).for_each(|(a, b)| *a += b);
+        self.invalid |= other.invalid;
+        Ok(())
+    }
+
     /// Exact AUPRC of the samples in the window.
     pub fn window_auprc(&self) -> f64 {
         let (mut tp, mut fp) = (0.0f64, 0.0f64);

@@ -121,6 +121,30 @@ impl SampleWindow {
         }
     }
 
+    /// Appends another window's samples after this one's (TorchRec's gather reduction: the
+    /// ranks' samples concatenated in rank order). Both must be grouped or both not.
+    pub(crate) fn append(&mut self, other: &SampleWindow) {
+        match (&mut self.soft_labels, &other.soft_labels) {
+            (Some(mine), Some(theirs)) => mine.extend(theirs),
+            (Some(mine), None) => mine.extend(other.packed.iter().map(|&r| unpack_hard_label(r))),
+            (None, Some(theirs)) => {
+                let mut labels: VecDeque<f32> = self.packed.iter().map(|&r| unpack_hard_label(r)).collect();
+                labels.extend(theirs);
+                self.soft_labels = Some(labels);
+            }
+            (None, None) => {}
+        }
+        self.packed.extend(&other.packed);
+        if let (Some(g), Some(theirs)) = (&mut self.groups, &other.groups) {
+            g.extend(theirs);
+        }
+    }
+
+    /// Whether a grouping key is kept per sample.
+    pub(crate) fn is_grouped(&self) -> bool {
+        self.groups.is_some()
+    }
+
     /// Calls `f` on every sample by descending prediction, tied predictions in arrival order.
     /// With `indices`, each [`Visit`] carries the sample's position (for the grouping key).
     pub(crate) fn sweep(&self, indices: bool, mut f: impl FnMut(Visit)) {

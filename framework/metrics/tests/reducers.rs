@@ -129,3 +129,75 @@ fn merge_refuses_different_metrics_and_tasks() {
     assert_eq!(x.compute()[0].0, "ctr-a|lifetime_ctr");
     assert_eq!(x.compute()[0].1, 0.0, "a rejected batch changes nothing");
 }
+
+/// Ranking and session metrics: AUC and grouped AUC (gather), AUPRC (gather + binned sum),
+/// NDCG and session recall (sums) merged over 2 and 3 ranks equal one process.
+#[test]
+fn ranking_and_session_metrics_merge_like_one_process() {
+    use trainrec_metrics::{AucMetric, AuprcMetric, SessionMetric, SessionMetricKind};
+    let data = batches(17, 5);
+    // Session ids per batch; distinct predictions overall so no tie depends on rank order.
+    let groups: Vec<Vec<i64>> =
+        data.iter().enumerate().map(|(b, d)| (0..d.0.len()).map(|i| (b * 10 + i % 6) as i64).collect()).collect();
+    let data: Vec<Batch> = data
+        .iter()
+        .enumerate()
+        .map(|(b, (p, y, w))| {
+            (p.iter().enumerate().map(|(i, &x)| x + (b * 100 + i) as f32 * 1e-7).collect(), y.clone(), w.clone())
+        })
+        .collect();
+    let sessions = [
+        SessionMetricKind::Ndcg {
+            k: Some(3),
+            exponential_gain: false,
+            report_as_decreasing: true,
+            remove_single_length_sessions: false,
+        },
+        SessionMetricKind::RecallSession { top_threshold: 2, run_ranking_of_labels: false },
+    ];
+    let feed = |m: &mut dyn Metric, b: usize| {
+        let (p, y, w) = &data[b];
+        m.update_batch(&TaskBatch::new(p, y, Some(w)).with_groups(&groups[b])).unwrap();
+    };
+    let mut single_auc = AucMetric::new().grouped();
+    let mut single_auprc = AuprcMetric::new(usize::MAX).unwrap();
+    let mut single_sessions: Vec<SessionMetric> =
+        sessions.iter().map(|&k| SessionMetric::new(k, 1 << 30).unwrap()).collect();
+    for b in 0..data.len() {
+        feed(&mut single_auc, b);
+        feed(&mut single_auprc, b);
+        for m in &mut single_sessions {
+            feed(m, b);
+        }
+    }
+    for world in [2usize, 3] {
+        let mut auc: Vec<AucMetric> = (0..world).map(|_| AucMetric::new().grouped()).collect();
+        let mut auprc: Vec<AuprcMetric> = (0..world).map(|_| AuprcMetric::new(usize::MAX).unwrap()).collect();
+        let mut sess: Vec<Vec<SessionMetric>> =
+            (0..world).map(|_| sessions.iter().map(|&k| SessionMetric::new(k, 1 << 30).unwrap()).collect()).collect();
+        for b in 0..data.len() {
+            let r = b % world;
+            feed(&mut auc[r], b);
+            feed(&mut auprc[r], b);
+            for m in &mut sess[r] {
+                feed(m, b);
+            }
+        }
+        let (mut a, mut p, mut s) = (auc.remove(0), auprc.remove(0), sess.remove(0));
+        for r in 0..world - 1 {
+            a.merge(&auc[r]).unwrap();
+            p.merge(&auprc[r]).unwrap();
+            for (x, y) in s.iter_mut().zip(&sess[r]) {
+                x.merge(y).unwrap();
+            }
+        }
+        close(&a.compute(), &single_auc.compute(), &format!("auc, {world} ranks"));
+        close(&p.compute(), &single_auprc.compute(), &format!("auprc, {world} ranks"));
+        for (x, y) in s.iter().zip(&single_sessions) {
+            close(&x.compute(), &y.compute(), &format!("session metric, {world} ranks"));
+        }
+    }
+    // Grouped and ungrouped AUC states do not merge.
+    assert!(AucMetric::new().merge(&AucMetric::new().grouped()).is_err());
+    assert_eq!(AucMetric::for_rank(1000, 3).unwrap().window(), Some(334));
+}
