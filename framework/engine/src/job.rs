@@ -211,8 +211,23 @@ impl Job {
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
     /// job has several tasks).
     pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
-        let suite = self.metric_suite()?;
-        self.evaluate_with(suite)
+        let mut suites = (0..self.tasks.len()).map(|_| self.metric_suite()).collect::<Result<Vec<_>, _>>()?;
+        let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
+        let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
+        let mut seen = 0u64;
+        for batch in self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize) {
+            let batch = batch?;
+            let (dense, sparse, _) = self.tensors(&batch)?;
+            let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
+            let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
+                .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
+            self.feed(&mut suites, &probs, &batch)?;
+            seen += batch.batch_size as u64;
+        }
+        if seen == 0 {
+            return Err(EngineError::EmptySplit("eval"));
+        }
+        Ok(self.values(&suites))
     }
 
     /// A fresh suite of the recipe's metrics.
@@ -240,30 +255,6 @@ impl Job {
             })
             .collect::<Result<_, _>>()?;
         Ok(MetricSuite::new(metrics)?)
-    }
-
-    /// Evaluates with `first` as the first task's suite (and fresh suites for the others).
-    fn evaluate_with(&self, first: MetricSuite) -> Result<BTreeMap<String, f64>, EngineError> {
-        let mut suites = vec![first];
-        for _ in 1..self.tasks.len() {
-            suites.push(self.metric_suite()?);
-        }
-        let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
-        let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
-        let mut seen = 0u64;
-        for batch in self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize) {
-            let batch = batch?;
-            let (dense, sparse, _) = self.tensors(&batch)?;
-            let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
-            let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
-                .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
-            self.feed(&mut suites, &probs, &batch)?;
-            seen += batch.batch_size as u64;
-        }
-        if seen == 0 {
-            return Err(EngineError::EmptySplit("eval"));
-        }
-        Ok(self.values(&suites))
     }
 
     /// Feeds one batch's predictions `[batch, tasks]` to each task's suite.

@@ -37,9 +37,9 @@ pub(crate) fn log2(x: f64) -> f64 {
 }
 
 /// Whether every value of a batch is acceptable (finite predictions; finite labels in `[0, 1]`;
-/// finite, non-negative weights) and whether every label is exactly 0 or 1. The slow path that
+/// finite, non-negative weights). The slow path that
 /// names the first bad value is [`crate::validate_batch`]'s.
-pub(crate) fn batch_is_clean(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (bool, bool) {
+pub(crate) fn batch_is_clean(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> bool {
     #[cfg(target_arch = "x86_64")]
     if *AVX2 {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
@@ -50,28 +50,26 @@ pub(crate) fn batch_is_clean(predictions: &[f32], labels: &[f32], weights: Optio
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn batch_is_clean_avx2(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (bool, bool) {
+fn batch_is_clean_avx2(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> bool {
     batch_is_clean_body(predictions, labels, weights)
 }
 
 #[inline(always)]
-fn batch_is_clean_body(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (bool, bool) {
+fn batch_is_clean_body(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> bool {
     // Comparisons with NaN are false, so NaN labels and weights fail the range checks too.
     let mut ok = true;
     for &p in predictions {
         ok &= p.is_finite();
     }
-    let mut hard = true;
     for &y in labels {
         ok &= (0.0..=1.0).contains(&y);
-        hard &= y == 0.0 || y == 1.0;
     }
     if let Some(w) = weights {
         for &x in w {
             ok &= x.is_finite() && x >= 0.0;
         }
     }
-    (ok, hard)
+    ok
 }
 
 /// Whether every label is exactly 0 or 1.
@@ -203,13 +201,14 @@ mod tests {
 
     #[test]
     fn cleanliness_flags() {
-        assert_eq!(batch_is_clean(&[0.5, 2.0], &[1.0, 0.0], None), (true, true));
-        assert_eq!(batch_is_clean(&[0.5, 2.0], &[1.0, 0.5], Some(&[0.0, 3.0])), (true, false));
-        assert!(!batch_is_clean(&[f32::NAN], &[1.0], None).0);
-        assert!(!batch_is_clean(&[f32::INFINITY], &[1.0], None).0);
-        assert!(!batch_is_clean(&[0.5], &[1.5], None).0);
-        assert!(!batch_is_clean(&[0.5], &[f32::NAN], None).0);
-        assert!(!batch_is_clean(&[0.5], &[1.0], Some(&[-1.0])).0);
-        assert!(!batch_is_clean(&[0.5], &[1.0], Some(&[f32::INFINITY])).0);
+        assert!(batch_is_clean(&[0.5, 2.0], &[1.0, 0.0], None));
+        assert!(batch_is_clean(&[0.5, 2.0], &[1.0, 0.5], Some(&[0.0, 3.0])));
+        assert!(all_hard(&[1.0, 0.0]) && !all_hard(&[1.0, 0.5]));
+        assert!(!batch_is_clean(&[f32::NAN], &[1.0], None));
+        assert!(!batch_is_clean(&[f32::INFINITY], &[1.0], None));
+        assert!(!batch_is_clean(&[0.5], &[1.5], None));
+        assert!(!batch_is_clean(&[0.5], &[f32::NAN], None));
+        assert!(!batch_is_clean(&[0.5], &[1.0], Some(&[-1.0])));
+        assert!(!batch_is_clean(&[0.5], &[1.0], Some(&[f32::INFINITY])));
     }
 }

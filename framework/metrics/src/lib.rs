@@ -180,7 +180,7 @@ pub(crate) fn validate_inputs(
     {
         return Err(MetricError::LengthMismatch { what: "weights", len: w.len(), predictions: n });
     }
-    if !graded && kernels::batch_is_clean(predictions, labels, weights).0 {
+    if !graded && kernels::batch_is_clean(predictions, labels, weights) {
         return Ok(());
     }
     // Something is wrong: find the first bad value to name it.
