@@ -8,7 +8,9 @@ pub const NE_ETA: f64 = 1e-12;
 /// One sample's weighted cross entropy in bits, `-w y log2(q) - w (1 - y) log2(1 - q)` with
 /// `q` the prediction clamped to `[eta, 1 - eta]`. A hard label zeroes one term, whose
 /// logarithm is then skipped (same value, half the work).
-#[inline]
+///
+/// The scalar reference of the vectorised [`crate::kernels`] loop, which tests check it against.
+#[cfg(test)]
 pub(crate) fn cross_entropy(p: f64, y: f64, w: f64) -> f64 {
     let q = p.clamp(NE_ETA, 1.0 - NE_ETA);
     if y == 1.0 {

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 
-use crate::ne::{cross_entropy, logloss_from_sums, ne_from_sums};
+use crate::ne::{logloss_from_sums, ne_from_sums};
 use crate::{Metric, MetricError, kernels, validate_batch, weight_at};
 
 /// TorchRec's `MAX_BUFFER_COUNT`: updates a window remembers at most.
@@ -85,55 +85,59 @@ impl SumMetricKind {
         }
     }
 
-    /// Adds one sample's contributions to `s`.
-    #[inline]
-    fn accumulate(&self, s: &mut [f64], p: f64, y: f64, w: f64) {
+    /// The sums of one validated batch. NE's come from the vectorised [`kernels::ne_sums`];
+    /// the others add each sample's contributions to two sums.
+    fn batch_sums(&self, b: &TaskBatch<'_>) -> Vec<f64> {
+        fn two(b: &TaskBatch<'_>, add: impl Fn(&mut [f64; 2], f64, f64, f64)) -> Vec<f64> {
+            let mut s = [0.0; 2];
+            for (i, (&p, &y)) in b.predictions.iter().zip(b.labels).enumerate() {
+                add(&mut s, f64::from(p), f64::from(y), weight_at(b.weights, i));
+            }
+            s.to_vec()
+        }
         match *self {
             Self::Ne { .. } => {
-                s[0] += cross_entropy(p, y, w);
-                s[1] += w;
-                s[2] += w * y;
-                s[3] += w * (1.0 - y);
+                kernels::ne_sums(b.predictions, b.labels, b.weights, kernels::all_hard(b.labels)).to_vec()
             }
-            Self::Calibration => {
+            Self::Calibration => two(b, |s, p, y, w| {
                 s[0] += w * p;
                 s[1] += w * y;
-            }
-            Self::Ctr => {
+            }),
+            Self::Ctr => two(b, |s, _, y, w| {
                 s[0] += w * y;
                 s[1] += w;
-            }
-            Self::Mse => {
+            }),
+            Self::Mse => two(b, |s, p, y, w| {
                 s[0] += w * (y - p) * (y - p);
                 s[1] += w;
-            }
-            Self::Mae => {
+            }),
+            Self::Mae => two(b, |s, p, y, w| {
                 s[0] += w * (y - p).abs();
                 s[1] += w;
-            }
-            Self::Accuracy { threshold } => {
+            }),
+            Self::Accuracy { threshold } => two(b, |s, p, y, w| {
                 let decision = if p >= threshold { 1.0 } else { 0.0 };
                 s[0] += if decision == y { w } else { 0.0 };
                 s[1] += w;
-            }
-            Self::Precision { threshold } => {
+            }),
+            Self::Precision { threshold } => two(b, |s, p, y, w| {
                 if p >= threshold {
                     s[0] += w * y;
                     s[1] += w * (1.0 - y);
                 }
-            }
-            Self::Recall { threshold } => {
+            }),
+            Self::Recall { threshold } => two(b, |s, p, y, w| {
                 if p >= threshold {
                     s[0] += w * y;
                 }
                 if p <= threshold {
                     s[1] += w * y;
                 }
-            }
-            Self::WeightedAvg => {
+            }),
+            Self::WeightedAvg => two(b, |s, p, _, w| {
                 s[0] += w * p;
                 s[1] += w;
-            }
+            }),
         }
     }
 
@@ -229,11 +233,7 @@ impl SumMetric {
             return Err(MetricError::EmptyWindow);
         }
         let n = kind.num_sums();
-        Ok(Self {
-            kind,
-            lifetime: vec![0.0; n],
-            window: Window { max_samples: window, sums: vec![0.0; n], updates: VecDeque::new(), samples: 0 },
-        })
+        Ok(Self { kind, lifetime: vec![0.0; n], window: Window::new(window, n) })
     }
 
     /// The metric of one of `world` ranks sharing a global window of `window` samples:
@@ -254,7 +254,7 @@ impl SumMetric {
 
     /// The current window's sums.
     pub fn window_state(&self) -> &[f64] {
-        &self.window.sums
+        self.window.sums()
     }
 
     /// Adds another rank's state (lifetime and window sums), as TorchRec's sum reduction:
@@ -264,21 +264,13 @@ impl SumMetric {
             return Err(MetricError::Incompatible { ours: self.kind.name(), theirs: other.kind.name() });
         }
         self.lifetime.iter_mut().zip(&other.lifetime).for_each(|(a, b)| *a += b);
-        self.window.sums.iter_mut().zip(&other.window.sums).for_each(|(a, b)| *a += b);
+        self.window.merge(&other.window);
         Ok(())
     }
 
     /// Adds a batch [`validate_batch`] has accepted.
     fn add_valid(&mut self, b: TaskBatch<'_>) {
-        let sums = if let SumMetricKind::Ne { .. } = self.kind {
-            kernels::ne_sums(b.predictions, b.labels, b.weights, kernels::all_hard(b.labels)).to_vec()
-        } else {
-            let mut sums = vec![0.0; self.kind.num_sums()];
-            for (i, (&p, &y)) in b.predictions.iter().zip(b.labels).enumerate() {
-                self.kind.accumulate(&mut sums, f64::from(p), f64::from(y), weight_at(b.weights, i));
-            }
-            sums
-        };
+        let sums = self.kind.batch_sums(&b);
         self.lifetime.iter_mut().zip(&sums).for_each(|(a, b)| *a += b);
         self.window.push(sums, b.predictions.len());
     }
@@ -287,7 +279,7 @@ impl SumMetric {
     pub fn values(&self) -> Vec<(String, f64)> {
         let names = self.kind.values();
         let life = self.kind.finish(&self.lifetime);
-        let win = self.kind.finish(&self.window.sums);
+        let win = self.kind.finish(self.window.sums());
         let mut out: Vec<(String, f64)> = names.iter().zip(life).map(|(n, v)| (format!("lifetime_{n}"), v)).collect();
         out.extend(names.iter().zip(win).map(|(n, v)| (format!("window_{n}"), v)));
         out
@@ -311,9 +303,7 @@ impl Metric for SumMetric {
 
     fn reset(&mut self) {
         self.lifetime.iter_mut().for_each(|s| *s = 0.0);
-        self.window.sums.iter_mut().for_each(|s| *s = 0.0);
-        self.window.updates.clear();
-        self.window.samples = 0;
+        self.window.clear();
     }
 }
 
@@ -420,8 +410,7 @@ impl LifetimeMetric {
     /// A fresh lifetime-only metric.
     pub fn new(kind: SumMetricKind) -> Self {
         let n = kind.num_sums();
-        let window = Window { max_samples: usize::MAX, sums: vec![0.0; n], updates: VecDeque::new(), samples: 0 };
-        Self(SumMetric { kind, lifetime: vec![0.0; n], window })
+        Self(SumMetric { kind, lifetime: vec![0.0; n], window: Window::new(usize::MAX, n) })
     }
 }
 

@@ -173,11 +173,7 @@ impl MetricSuite {
 
     /// Feeds one batch to every metric (all or none: the batch is checked first).
     pub fn update(&mut self, predictions: &[f32], labels: &[f32], weights: Option<&[f32]>) -> Result<(), MetricError> {
-        validate_batch(predictions, labels, weights)?;
-        for m in &mut self.metrics {
-            m.update(predictions, labels, weights)?;
-        }
-        Ok(())
+        self.update_batch(&crate::TaskBatch::new(predictions, labels, weights))
     }
 
     /// Feeds one batch with its grouping keys to every metric (all or none: the batch and,

@@ -32,11 +32,17 @@ fn kind(name: &str) -> SumMetricKind {
     }
 }
 
-#[test]
-fn sum_state_metrics_match_torchrec_lifetime_and_window() {
+/// The fixture document and its task names.
+fn fixture() -> (Value, Vec<String>) {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/torchrec_metrics.json");
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let tasks: Vec<String> = doc["tasks"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
+    let tasks = doc["tasks"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_owned()).collect();
+    (doc, tasks)
+}
+
+#[test]
+fn sum_state_metrics_match_torchrec_lifetime_and_window() {
+    let (doc, tasks) = fixture();
     let task_refs: Vec<&str> = tasks.iter().map(String::as_str).collect();
     let window = doc["window"].as_u64().unwrap() as usize;
     let batches: Vec<Vec<Columns>> = doc["batches"]
@@ -79,9 +85,8 @@ fn sum_state_metrics_match_torchrec_lifetime_and_window() {
 #[test]
 fn auc_and_auprc_match_torchrec_windows_and_binned_lifetime() {
     use trainrec_metrics::{AucMetric, AuprcMetric, Metric};
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/torchrec_metrics.json");
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let tasks: Vec<&str> = doc["tasks"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let (doc, tasks) = fixture();
+    let tasks: Vec<&str> = tasks.iter().map(String::as_str).collect();
     let window = doc["window"].as_u64().unwrap() as usize;
     let batches = doc["ranking_batches"].as_array().unwrap();
     let expected = &doc["ranking_metrics"];
@@ -111,9 +116,8 @@ fn auc_and_auprc_match_torchrec_windows_and_binned_lifetime() {
 #[test]
 fn grouped_auc_ndcg_and_session_recall_match_torchrec() {
     use trainrec_metrics::{AucMetric, Metric, SessionMetric, SessionMetricKind};
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/torchrec_metrics.json");
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let tasks: Vec<&str> = doc["tasks"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let (doc, tasks) = fixture();
+    let tasks: Vec<&str> = tasks.iter().map(String::as_str).collect();
     let window = doc["session_window"].as_u64().unwrap() as usize;
     let top = doc["recall_top"].as_u64().unwrap() as usize;
     let batches = doc["session_batches"].as_array().unwrap();
