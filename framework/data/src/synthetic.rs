@@ -195,19 +195,20 @@ impl SyntheticSampler {
 
     /// The planted logit of label column `task` (0 is [`SyntheticSampler::true_logit`]).
     pub fn task_logit(&self, task: usize, dense: &[f32], bags: &[&[i64]]) -> f64 {
-        let z = self.planted(dense, bags);
+        self.task_logit_from(task, self.planted(dense, bags), bags)
+    }
+
+    /// [`Self::task_logit`] from the example's planted signal `z` (shared by its tasks).
+    fn task_logit_from(&self, task: usize, z: f64, bags: &[&[i64]]) -> f64 {
         if task == 0 {
             return BIAS + self.config.signal * z;
         }
         // The task's own per-id effects: the latent values of a task-salted seed.
+        let seed = self.seed ^ (task as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut own = 0.0;
         for (f, bag) in bags.iter().enumerate() {
             if !bag.is_empty() {
-                own += bag
-                    .iter()
-                    .map(|&id| self.latent_of(self.seed ^ (task as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15), f, id))
-                    .sum::<f64>()
-                    / bag.len() as f64;
+                own += bag.iter().map(|&id| self.latent_of(seed, f, id)).sum::<f64>() / bag.len() as f64;
             }
         }
         BIAS - 0.5 + self.config.signal * (0.6 * z + 0.8 * own)
@@ -285,8 +286,9 @@ impl SyntheticSampler {
         for i in 0..n {
             bags.clear();
             bags.extend((0..nf).map(|f| sparse.feature(f).bag(i)));
+            let z = self.planted(&dense[i * nd..(i + 1) * nd], &bags);
             for t in 0..num_labels {
-                let logit = self.task_logit(t, &dense[i * nd..(i + 1) * nd], &bags);
+                let logit = self.task_logit_from(t, z, &bags);
                 let prob = 1.0 / (1.0 + (-logit).exp());
                 labels.push(if rng.random::<f64>() < prob { 1.0 } else { 0.0 });
             }

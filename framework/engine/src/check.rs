@@ -61,11 +61,9 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     problems.extend(plugin_metric_problems(recipe, registry));
     if let Some(f) = &features {
         problems.extend(task_problems(recipe, f));
-    }
-    if let Some(f) = &features
-        && f.grouping_key.is_none()
-    {
-        problems.extend(grouping_problems(recipe, recipe.data.sampler.kind().unwrap_or_default()));
+        if f.grouping_key.is_none() {
+            problems.extend(grouping_problems(recipe, recipe.data.sampler.kind().unwrap_or_default()));
+        }
     }
     problems.extend(check_semantics(recipe, features.as_ref().map(|f| f.sparse.as_slice())));
 

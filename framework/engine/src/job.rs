@@ -1,6 +1,7 @@
 //! A training job built from a validated recipe: sampler, embedding collection, dense model,
 //! optimizers and metrics; the train/eval loop; the run directory.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
@@ -165,11 +166,15 @@ impl Job {
         let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?;
         let pooled = self.ebc.forward(&batch.sparse)?;
         let sparse = Tensor::from_slice(pooled.values()).f_view([b, pooled.width() as i64])?;
-        // [batch, tasks]: each task's label column.
-        let columns: Vec<i64> = self.tasks.iter().map(|&(_, c)| c as i64).collect();
-        let labels = Tensor::from_slice(&batch.labels)
-            .f_view([b, self.num_labels as i64])?
-            .f_index_select(1, &Tensor::from_slice(&columns))?;
+        // [batch, tasks]: each task's label column (all columns, in order, need no selection).
+        let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?;
+        let identity = self.tasks.len() == self.num_labels && self.tasks.iter().enumerate().all(|(t, &(_, c))| t == c);
+        let labels = if identity {
+            labels
+        } else {
+            let columns: Vec<i64> = self.tasks.iter().map(|&(_, c)| c as i64).collect();
+            labels.f_index_select(1, &Tensor::from_slice(&columns))?
+        };
         Ok((dense, sparse, labels))
     }
 
@@ -211,7 +216,7 @@ impl Job {
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
     /// job has several tasks).
     pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
-        let mut suites = (0..self.tasks.len()).map(|_| self.metric_suite()).collect::<Result<Vec<_>, _>>()?;
+        let mut suites = (0..self.tasks.len()).map(|_| self.metric_suite(None)).collect::<Result<Vec<_>, _>>()?;
         let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
         let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
         let mut seen = 0u64;
@@ -230,27 +235,45 @@ impl Job {
         Ok(self.values(&suites))
     }
 
-    /// A fresh suite of the recipe's metrics.
-    fn metric_suite(&self) -> Result<MetricSuite, EngineError> {
+    /// A fresh suite of the recipe's metrics. With `window: None`, for an evaluation: lifetime
+    /// values under plain names (`auc`, `ne`). With `Some(w)`, for training batches: lifetime
+    /// and windowed values over the latest `w` samples (`lifetime_ne`, `window_ne`,
+    /// `window_auc`), TorchRec's `RecMetricModule` on the train loop.
+    fn metric_suite(&self, window: Option<usize>) -> Result<MetricSuite, EngineError> {
         let metrics: Vec<Box<dyn Metric>> = self
             .recipe
             .metrics
             .iter()
             .map(|m| -> Result<Box<dyn Metric>, EngineError> {
-                Ok(match m {
-                    MetricSection::Ne { include_logloss } => Box::new(NeMetric::new(*include_logloss)),
-                    MetricSection::Auc { grouped: false } => Box::new(AucMetric::new()),
-                    MetricSection::Auc { grouped: true } => Box::new(AucMetric::new().grouped()),
-                    MetricSection::Ndcg { .. } | MetricSection::RecallSession { .. } => {
-                        Box::new(SessionMetric::for_split(session_kind(m).expect("a session metric"))?)
+                Ok(match (m, window) {
+                    (MetricSection::Ne { include_logloss }, None) => Box::new(NeMetric::new(*include_logloss)),
+                    (MetricSection::Auc { grouped }, _) => {
+                        let auc = match window {
+                            None => AucMetric::new(),
+                            Some(w) => AucMetric::with_window(w)?,
+                        };
+                        let auc = if *grouped { auc.grouped() } else { auc };
+                        match window {
+                            None => Box::new(auc),
+                            Some(_) => Box::new(WindowNamed(Box::new(auc))),
+                        }
                     }
-                    MetricSection::Auprc {} => Box::new(SplitAuprc::new()),
-                    MetricSection::Plugin { name, options } => self
+                    (MetricSection::Auprc {}, None) => Box::new(SplitAuprc::new()),
+                    (MetricSection::Auprc {}, Some(w)) => Box::new(AuprcMetric::new(w)?),
+                    (MetricSection::Ndcg { .. } | MetricSection::RecallSession { .. }, _) => {
+                        let kind = session_kind(m).expect("a session metric");
+                        Box::new(match window {
+                            None => SessionMetric::for_split(kind)?,
+                            Some(w) => SessionMetric::new(kind, w)?,
+                        })
+                    }
+                    (MetricSection::Plugin { name, options }, _) => self
                         .plugin_metrics
                         .get(name)
                         .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?
                         .build(&serde_json::Value::Object(options.clone()))?,
-                    other => Box::new(LifetimeMetric::new(sum_kind(other).expect("a sum-state metric"))),
+                    (other, None) => Box::new(LifetimeMetric::new(sum_kind(other).expect("a sum-state metric"))),
+                    (other, Some(w)) => Box::new(SumMetric::new(sum_kind(other).expect("a sum-state metric"), w)?),
                 })
             })
             .collect::<Result<_, _>>()?;
@@ -258,11 +281,15 @@ impl Job {
     }
 
     /// Feeds one batch's predictions `[batch, tasks]` to each task's suite.
-    fn feed(&self, suites: &mut [MetricSuite], probs: &[f32], batch: &Batch) -> Result<(), EngineError> {
+    fn feed<'a>(&self, suites: &mut [MetricSuite], probs: &'a [f32], batch: &'a Batch) -> Result<(), EngineError> {
         let (t_count, n) = (self.tasks.len(), batch.batch_size);
+        // A column of a row-major `[n, width]` matrix; a single column is the data itself.
+        let column = |data: &'a [f32], width: usize, c: usize| -> Cow<'a, [f32]> {
+            if width == 1 { Cow::Borrowed(data) } else { Cow::Owned((0..n).map(|i| data[i * width + c]).collect()) }
+        };
         for (t, (suite, &(_, col))) in suites.iter_mut().zip(&self.tasks).enumerate() {
-            let predictions: Vec<f32> = (0..n).map(|i| probs[i * t_count + t]).collect();
-            let labels: Vec<f32> = (0..n).map(|i| batch.labels[i * self.num_labels + col]).collect();
+            let predictions = column(probs, t_count, t);
+            let labels = column(&batch.labels, self.num_labels, col);
             let input = TaskBatch {
                 predictions: &predictions,
                 labels: &labels,
@@ -287,37 +314,6 @@ impl Job {
         out
     }
 
-    /// The recipe's metrics for training batches: lifetime and windowed values over the latest
-    /// `train.metrics_window` samples (TorchRec's `RecMetricModule` on the train loop).
-    fn train_metric_suite(&self) -> Result<MetricSuite, EngineError> {
-        let w = self.recipe.train.metrics_window as usize;
-        let metrics: Vec<Box<dyn Metric>> = self
-            .recipe
-            .metrics
-            .iter()
-            .map(|m| -> Result<Box<dyn Metric>, EngineError> {
-                Ok(match m {
-                    MetricSection::Auc { grouped } => {
-                        let auc = AucMetric::with_window(w)?;
-                        let auc = if *grouped { auc.grouped() } else { auc };
-                        Box::new(WindowNamed(Box::new(auc)))
-                    }
-                    MetricSection::Auprc {} => Box::new(AuprcMetric::new(w)?),
-                    MetricSection::Ndcg { .. } | MetricSection::RecallSession { .. } => {
-                        Box::new(SessionMetric::new(session_kind(m).expect("a session metric"), w)?)
-                    }
-                    MetricSection::Plugin { name, options } => self
-                        .plugin_metrics
-                        .get(name)
-                        .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?
-                        .build(&serde_json::Value::Object(options.clone()))?,
-                    other => Box::new(SumMetric::new(sum_kind(other).expect("a sum-state metric"), w)?),
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(MetricSuite::new(metrics)?)
-    }
-
     /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run
     /// directory (`resolved.toml`, `metrics.jsonl`).
     pub fn run(&mut self) -> Result<RunSummary, EngineError> {
@@ -338,7 +334,10 @@ impl Job {
         let mut last_eval = None;
         // The metrics on training batches (one suite per task), when asked for.
         let mut train_suites = match train.metrics_every {
-            Some(_) => Some((0..self.tasks.len()).map(|_| self.train_metric_suite()).collect::<Result<Vec<_>, _>>()?),
+            Some(_) => {
+                let w = Some(train.metrics_window as usize);
+                Some((0..self.tasks.len()).map(|_| self.metric_suite(w)).collect::<Result<Vec<_>, _>>()?)
+            }
             None => None,
         };
         // TorchRec's throughput metric: examples per second after 100 warm-up steps.
