@@ -1,0 +1,165 @@
+//! The enumerator: every legal (sharding type, compute kernel) of every table, with its
+//! shards estimated.
+use rayon::prelude::*;
+
+use crate::PlanError;
+use crate::estimate::{Estimator, TableInputs, shard_layout};
+use crate::types::{ComputeDevice, ComputeKernel, CostModel, ShardingOption, ShardingType, TableSpec, Topology};
+
+/// Sharding types the engines support on a device, in enumeration order.
+pub fn supported_sharding_types(device: ComputeDevice, cost_model: CostModel) -> Vec<ShardingType> {
+    use ShardingType::*;
+    match (device, cost_model) {
+        (ComputeDevice::Cuda, _) => ShardingType::ALL.to_vec(),
+        // TorchRec has no row-wise on CPU (gloo lacks reduce-scatter); trainrec's MPI does.
+        (ComputeDevice::Cpu, CostModel::Torchrec) => vec![DataParallel, TableWise, ColumnWise, TableColumnWise],
+        (ComputeDevice::Cpu, CostModel::Trainrec) => ShardingType::ALL.to_vec(),
+    }
+}
+
+/// Kernels a sharding type can use on a device, in enumeration order.
+pub fn supported_kernels(st: ShardingType, device: ComputeDevice) -> Vec<ComputeKernel> {
+    use ComputeKernel::*;
+    match (st, device) {
+        (ShardingType::DataParallel, _) => vec![Dense],
+        (_, ComputeDevice::Cpu) => vec![Fused],
+        (_, ComputeDevice::Cuda) => vec![Fused, FusedUvm, FusedUvmCaching, KeyValue],
+    }
+}
+
+fn names<T: std::fmt::Display>(xs: &[T]) -> String {
+    xs.iter().map(|x| format!("\"{x}\"")).collect::<Vec<_>>().join(", ")
+}
+
+/// Checks a table's constraint values on their own (lengths, ranges).
+fn check_constraints(index: usize, t: &TableSpec) -> Result<(), PlanError> {
+    let c = &t.constraints;
+    let bad =
+        |key: &str, message: String| PlanError::Constraint { table: t.name.clone(), index, key: key.into(), message };
+    let n = c.pooling_factors.as_ref().map(|p| p.len());
+    if let Some(p) = &c.pooling_factors {
+        if p.is_empty() || p.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err(bad("pooling_factors", "give one finite, non-negative pooling factor per feature".into()));
+        }
+    }
+    for (key, len) in [
+        ("num_poolings", c.num_poolings.as_ref().map(|x| x.len())),
+        ("batch_sizes", c.batch_sizes.as_ref().map(|x| x.len())),
+    ] {
+        if let Some(len) = len {
+            let want = n.unwrap_or(1);
+            if len != want {
+                return Err(bad(
+                    key,
+                    format!("has {len} entries but `pooling_factors` describes {want} input(s); give one per input"),
+                ));
+            }
+        }
+    }
+    if let Some(np) = &c.num_poolings {
+        if np.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err(bad("num_poolings", "entries must be finite and non-negative".into()));
+        }
+    }
+    if c.min_partition == Some(0) {
+        return Err(bad("min_partition", "must be at least 1".into()));
+    }
+    if let Some(lf) = c.cache.as_ref().and_then(|c| c.load_factor) {
+        if !(lf > 0.0 && lf <= 1.0) {
+            return Err(bad("cache.load_factor", format!("is {lf}; a load factor lies in (0, 1]")));
+        }
+    }
+    if t.rows == 0 || t.dim == 0 {
+        return Err(bad("rows", format!("table of {} × {} has no weights to place", t.rows, t.dim)));
+    }
+    Ok(())
+}
+
+/// The legal options of one table, estimated.
+pub(crate) fn table_options(
+    index: usize,
+    table: &TableSpec,
+    topo: &Topology,
+    batch_size: u64,
+    cost_model: CostModel,
+) -> Result<Vec<ShardingOption>, PlanError> {
+    check_constraints(index, table)?;
+    let c = &table.constraints;
+    let device = topo.compute_device;
+    let supported = supported_sharding_types(device, cost_model);
+    let types: Vec<ShardingType> = match &c.sharding_types {
+        None => supported.iter().copied().filter(|&s| s != ShardingType::Grid).collect(),
+        Some(allowed) => supported.iter().copied().filter(|s| allowed.contains(s)).collect(),
+    };
+    if types.is_empty() {
+        return Err(PlanError::NoOptions {
+            table: table.name.clone(),
+            index,
+            key: "sharding_types".into(),
+            message: format!(
+                "allows {} but a {} topology supports only {}",
+                names(c.sharding_types.as_deref().unwrap_or(&[])),
+                device.name(),
+                names(&supported)
+            ),
+        });
+    }
+    let estimator = Estimator { topo, cost_model };
+    let inputs = TableInputs::of(table, batch_size, cost_model);
+    let clf = c.cache.as_ref().and_then(|c| c.load_factor);
+    let mut out = Vec::new();
+    let mut tried_kernels = Vec::new();
+    for st in types.iter().copied() {
+        let mut kernels: Vec<ComputeKernel> = supported_kernels(st, device)
+            .into_iter()
+            .filter(|k| match &c.compute_kernels {
+                Some(allowed) => allowed.contains(k),
+                None => *k != ComputeKernel::KeyValue,
+            })
+            .filter(|k| *k != ComputeKernel::KeyValue || topo.ssd_cap > 0)
+            .collect();
+        if kernels.contains(&ComputeKernel::Dense) && kernels.contains(&ComputeKernel::Fused) {
+            kernels.retain(|k| *k != ComputeKernel::Dense);
+        }
+        tried_kernels.extend(supported_kernels(st, device));
+        let layout = shard_layout(table, st, topo);
+        for kernel in kernels {
+            if let Some(shards) = estimator.shards(table, &inputs, st, kernel, clf, &layout) {
+                out.push(ShardingOption {
+                    table: index,
+                    sharding_type: st,
+                    compute_kernel: kernel,
+                    cache_load_factor: if kernel.is_cached() { clf } else { None },
+                    shards,
+                });
+            }
+        }
+    }
+    if out.is_empty() {
+        tried_kernels.sort();
+        tried_kernels.dedup();
+        return Err(PlanError::NoOptions {
+            table: table.name.clone(),
+            index,
+            key: "compute_kernels".into(),
+            message: format!(
+                "allows {} but with sharding types {} a {} topology offers only {}",
+                names(c.compute_kernels.as_deref().unwrap_or(&[])),
+                names(&types),
+                device.name(),
+                names(&tried_kernels)
+            ),
+        });
+    }
+    Ok(out)
+}
+
+/// The search space: each table's options (tables estimated in parallel).
+pub fn enumerate(
+    tables: &[TableSpec],
+    topo: &Topology,
+    batch_size: u64,
+    cost_model: CostModel,
+) -> Result<Vec<Vec<ShardingOption>>, PlanError> {
+    tables.par_iter().enumerate().map(|(i, t)| table_options(i, t, topo, batch_size, cost_model)).collect()
+}

@@ -1,0 +1,353 @@
+//! Partitioners: place every shard of a proposal on a rank (TorchRec's `GreedyPerfPartitioner`
+//! and `MemoryBalancedPartitioner`).
+use crate::types::{ComputeKernel, PartitionBy, Perf, ShardingOption, ShardingType, Storage, Topology};
+
+/// Which partitioner places the shards.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum PartitionerKind {
+    /// Largest tables first, each shard on the least-loaded rank it fits on.
+    #[default]
+    GreedyPerf,
+    /// Greedy-perf, then the lowest per-rank device-memory cap whose plan is within 2% of the
+    /// unconstrained plan's time (binary search, 10 steps): same speed, memory spread evenly.
+    MemoryBalanced,
+}
+
+/// One rank while shards are being placed.
+#[derive(Clone, Debug)]
+pub(crate) struct Device {
+    pub rank: usize,
+    pub free: Storage,
+    pub perf: Perf,
+}
+
+impl Device {
+    fn take(&mut self, storage: &Storage, perf: &Perf) {
+        self.free = self.free.minus(storage);
+        self.perf.fwd_compute += perf.fwd_compute;
+        self.perf.fwd_comms += perf.fwd_comms;
+        self.perf.bwd_compute += perf.bwd_compute;
+        self.perf.bwd_comms += perf.bwd_comms;
+        self.perf.prefetch_compute += perf.prefetch_compute;
+        self.perf.input_dist_comms += perf.input_dist_comms;
+    }
+}
+
+/// Why a proposal could not be placed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PartitionFailure {
+    /// Table index.
+    pub table: usize,
+    /// What did not fit where.
+    pub message: String,
+}
+
+/// Ranks of each shard of each option of a proposal (same order as the proposal).
+pub type Assignment = Vec<Vec<usize>>;
+
+/// Ordering of devices for the next shard: least loaded, then spread over hosts, then rank.
+fn device_key(d: &Device, local: usize) -> (f64, usize, usize) {
+    (d.perf.total(), d.rank % local, d.rank)
+}
+
+fn less(a: (f64, usize, usize), b: (f64, usize, usize)) -> bool {
+    a.0 < b.0 || (a.0 == b.0 && (a.1, a.2) < (b.1, b.2))
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+fn storage_str(s: &Storage) -> String {
+    format!("HBM {:.3} GiB, DDR {:.3} GiB", gib(s.hbm), gib(s.ddr))
+}
+
+/// Places shards on `devices[i]` for shard `i`.
+fn uniform(o: &ShardingOption, devices: &mut [&mut Device], out: &mut Vec<usize>) -> Result<(), PartitionFailure> {
+    if o.shards.len() != devices.len() {
+        return Err(PartitionFailure {
+            table: o.table,
+            message: format!("{} shards for {} ranks", o.shards.len(), devices.len()),
+        });
+    }
+    for (shard, d) in o.shards.iter().zip(devices.iter_mut()) {
+        if !shard.storage.fits_in(&d.free) {
+            return Err(PartitionFailure {
+                table: o.table,
+                message: format!(
+                    "a {} shard needs {} but rank {} has {} free",
+                    o.sharding_type,
+                    storage_str(&shard.storage),
+                    d.rank,
+                    storage_str(&d.free)
+                ),
+            });
+        }
+        d.take(&shard.storage, &shard.perf);
+        out.push(d.rank);
+    }
+    Ok(())
+}
+
+/// Places each shard on the least-loaded device it fits on; with `distinct`, no two shards of
+/// the option share a device.
+fn device_partition(
+    o: &ShardingOption,
+    devices: &mut [&mut Device],
+    local: usize,
+    distinct: bool,
+    out: &mut Vec<usize>,
+) -> Result<(), PartitionFailure> {
+    let start = out.len();
+    for shard in &o.shards {
+        let mut best: Option<usize> = None;
+        for (i, d) in devices.iter().enumerate() {
+            if distinct && out[start..].contains(&d.rank) {
+                continue;
+            }
+            if !shard.storage.fits_in(&d.free) {
+                continue;
+            }
+            if best.is_none_or(|b| less(device_key(d, local), device_key(devices[b], local))) {
+                best = Some(i);
+            }
+        }
+        let Some(b) = best else {
+            let largest = devices.iter().map(|d| d.free).max().unwrap_or_default();
+            return Err(PartitionFailure {
+                table: o.table,
+                message: format!(
+                    "a {} shard needs {} but the emptiest rank has {} free",
+                    o.sharding_type,
+                    storage_str(&shard.storage),
+                    storage_str(&largest)
+                ),
+            });
+        };
+        devices[b].take(&shard.storage, &shard.perf);
+        out.push(devices[b].rank);
+    }
+    Ok(())
+}
+
+/// Hosts ordered by their devices' summed time (stable).
+fn hosts_by_perf(devices: &[Device], group: usize) -> Vec<usize> {
+    let hosts = devices.len() / group;
+    let mut order: Vec<(f64, usize)> = (0..hosts)
+        .map(|h| (devices[h * group..(h + 1) * group].iter().map(|d| d.perf.total()).sum::<f64>(), h))
+        .collect();
+    order.sort_by(|a, b| a.0.total_cmp(&b.0));
+    order.into_iter().map(|(_, h)| h).collect()
+}
+
+/// Table-row-wise / table-column-wise: all shards on the ranks of one host, the least loaded
+/// host first.
+fn cohost(
+    o: &ShardingOption,
+    devices: &mut [Device],
+    group: usize,
+    out: &mut Vec<usize>,
+) -> Result<(), PartitionFailure> {
+    let need = o.total_storage();
+    for h in hosts_by_perf(devices, group) {
+        let host = &devices[h * group..(h + 1) * group];
+        let free = host.iter().fold(Storage::default(), |a, d| a.plus(&d.free));
+        if !need.fits_in(&free) {
+            continue;
+        }
+        let mut copy: Vec<Device> = host.to_vec();
+        let mut refs: Vec<&mut Device> = copy.iter_mut().collect();
+        let mut ranks = Vec::new();
+        let ok = match o.sharding_type {
+            ShardingType::TableRowWise => uniform(o, &mut refs, &mut ranks),
+            _ => device_partition(o, &mut refs, group, false, &mut ranks),
+        };
+        if ok.is_ok() {
+            devices[h * group..(h + 1) * group].clone_from_slice(&copy);
+            out.extend(ranks);
+            return Ok(());
+        }
+    }
+    Err(PartitionFailure {
+        table: o.table,
+        message: format!(
+            "no host has {} free for all {} {} shards",
+            storage_str(&need),
+            o.shards.len(),
+            o.sharding_type
+        ),
+    })
+}
+
+/// Grid: row blocks over consecutive hosts (in load order), column blocks over hosts.
+fn multi_host(
+    o: &ShardingOption,
+    devices: &mut [Device],
+    group: usize,
+    out: &mut Vec<usize>,
+) -> Result<(), PartitionFailure> {
+    let fail = |m: String| PartitionFailure { table: o.table, message: m };
+    let (hosts_needed, rem) = (o.shards.len() / group, o.shards.len() % group);
+    if rem != 0 {
+        return Err(fail(format!("{} grid shards do not fill hosts of {group} ranks", o.shards.len())));
+    }
+    let order = hosts_by_perf(devices, group);
+    let mut start = 0;
+    loop {
+        let all = hosts_needed >= order.len();
+        let chosen: Vec<usize> = if all {
+            (0..hosts_needed).map(|i| order[i % order.len()]).collect()
+        } else {
+            order[start..start + hosts_needed].to_vec()
+        };
+        start += 1;
+        let mut copy = devices.to_vec();
+        let ok = {
+            // A host may repeat when the grid needs more hosts than exist: its ranks then take
+            // several column blocks.
+            let mut ranks = Vec::new();
+            let mut res = Ok(());
+            for (block, &h) in chosen.iter().enumerate() {
+                let mut refs: Vec<&mut Device> = copy[h * group..(h + 1) * group].iter_mut().collect();
+                let sub = ShardingOption { shards: o.shards[block * group..(block + 1) * group].to_vec(), ..o.clone() };
+                if let Err(e) = uniform(&sub, &mut refs, &mut ranks) {
+                    res = Err(e);
+                    break;
+                }
+            }
+            res.map(|_| ranks)
+        };
+        if let Ok(ranks) = ok {
+            devices.clone_from_slice(&copy);
+            out.extend(ranks);
+            return Ok(());
+        }
+        if start + hosts_needed > order.len() || all {
+            return Err(fail(format!("no {hosts_needed} host(s) have room for the grid shards")));
+        }
+    }
+}
+
+/// What to sort the non-uniform options by, largest first.
+#[derive(Clone, Copy, PartialEq)]
+pub(crate) enum SortBy {
+    Storage,
+    Perf,
+}
+
+/// The greedy-perf partitioner. `caps` are the per-rank capacities after reservation;
+/// `hbm_cap` overrides every rank's device memory.
+pub(crate) fn greedy(
+    proposal: &[&ShardingOption],
+    caps: &[Storage],
+    topo: &Topology,
+    hbm_cap: Option<u64>,
+    sort_by: SortBy,
+) -> Result<(Assignment, Vec<Device>), PartitionFailure> {
+    let mut devices: Vec<Device> = caps
+        .iter()
+        .enumerate()
+        .map(|(rank, c)| Device { rank, free: Storage { hbm: hbm_cap.unwrap_or(c.hbm), ..*c }, perf: Perf::default() })
+        .collect();
+    let group = topo.local_world_size;
+    let mut assignment: Assignment = vec![Vec::new(); proposal.len()];
+    for (i, o) in proposal.iter().enumerate() {
+        if o.sharding_type.partition_by() == PartitionBy::Uniform {
+            let mut refs: Vec<&mut Device> = devices.iter_mut().collect();
+            uniform(o, &mut refs, &mut assignment[i])?;
+        }
+    }
+    let mut order: Vec<usize> =
+        (0..proposal.len()).filter(|&i| proposal[i].sharding_type.partition_by() != PartitionBy::Uniform).collect();
+    match sort_by {
+        SortBy::Storage => {
+            let keys: Vec<Storage> = proposal.iter().map(|o| o.total_storage()).collect();
+            order.sort_by(|&a, &b| keys[b].cmp(&keys[a]));
+        }
+        SortBy::Perf => {
+            let keys: Vec<f64> = proposal.iter().map(|o| o.sum_shard_perf()).collect();
+            order.sort_by(|&a, &b| keys[b].total_cmp(&keys[a]));
+        }
+    }
+    for i in order {
+        let o = proposal[i];
+        let out = &mut assignment[i];
+        match o.sharding_type.partition_by() {
+            PartitionBy::MultiHost => multi_host(o, &mut devices, group, out)?,
+            PartitionBy::Host => cohost(o, &mut devices, group, out)?,
+            PartitionBy::Device => {
+                let distinct =
+                    o.sharding_type == ShardingType::ColumnWise && o.compute_kernel == ComputeKernel::KeyValue;
+                let mut refs: Vec<&mut Device> = devices.iter_mut().collect();
+                device_partition(o, &mut refs, topo.local_world_size, distinct, out)?
+            }
+            PartitionBy::Uniform => {}
+        }
+    }
+    Ok((assignment, devices))
+}
+
+/// The slowest rank's time: max over ranks of the summed shard times (TorchRec's
+/// `NoopPerfModel`).
+pub(crate) fn rate(proposal: &[&ShardingOption], assignment: &Assignment, world: usize) -> f64 {
+    let mut perf = vec![0.0; world];
+    for (o, ranks) in proposal.iter().zip(assignment) {
+        for (s, &r) in o.shards.iter().zip(ranks) {
+            perf[r] += s.perf.total();
+        }
+    }
+    perf.into_iter().fold(0.0, f64::max)
+}
+
+/// Runs the chosen partitioner.
+pub(crate) fn partition(
+    kind: PartitionerKind,
+    proposal: &[&ShardingOption],
+    caps: &[Storage],
+    topo: &Topology,
+) -> Result<Assignment, PartitionFailure> {
+    match kind {
+        PartitionerKind::GreedyPerf => greedy(proposal, caps, topo, None, SortBy::Storage).map(|x| x.0),
+        PartitionerKind::MemoryBalanced => memory_balanced(proposal, caps, topo),
+    }
+}
+
+fn memory_balanced(
+    proposal: &[&ShardingOption],
+    caps: &[Storage],
+    topo: &Topology,
+) -> Result<Assignment, PartitionFailure> {
+    const MAX_SEARCH: usize = 10;
+    const TOLERANCE: f64 = 0.02;
+    let (default, _) = greedy(proposal, caps, topo, None, SortBy::Perf)?;
+    let original = rate(proposal, &default, topo.world_size);
+    let mut hbm_by_rank = vec![0u64; topo.world_size];
+    let (mut total, mut max_shard) = (0u64, 0u64);
+    for (o, ranks) in proposal.iter().zip(&default) {
+        for (s, &r) in o.shards.iter().zip(ranks) {
+            hbm_by_rank[r] += s.storage.hbm;
+            total += s.storage.hbm;
+            max_shard = max_shard.max(s.storage.hbm);
+        }
+    }
+    let mut hi = hbm_by_rank.iter().copied().max().unwrap_or(0);
+    let mut lo = (total / topo.world_size as u64).max(max_shard);
+    let mut best = default;
+    let diff = 10 << 20;
+    let mut count = 0;
+    while count < MAX_SEARCH && lo + diff < hi {
+        count += 1;
+        let mid = (hi + lo) / 2;
+        match greedy(proposal, caps, topo, Some(mid), SortBy::Perf) {
+            Ok((a, _)) if rate(proposal, &a, topo.world_size) <= original * (1.0 + TOLERANCE) => {
+                best = a;
+                hi = mid;
+            }
+            _ => lo = mid,
+        }
+    }
+    Ok(best)
+}

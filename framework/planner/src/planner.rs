@@ -1,0 +1,726 @@
+//! The planner: reservation, enumeration, proposals, partitioning, the best plan, and why.
+use std::collections::HashMap;
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::PlanError;
+use crate::enumerate::enumerate;
+use crate::estimate::{Estimator, TableInputs, shard_layout};
+use crate::partition::{Assignment, PartitionFailure, PartitionerKind, partition, rate};
+use crate::propose::{Greedy, Proposal, ProposerKind, Space, cached_tables, grid, uniform};
+use crate::types::defaults::*;
+use crate::types::{
+    ComputeDevice, ComputeKernel, CostModel, Perf, ShardingOption, ShardingType, Storage, TableSpec, Topology,
+};
+
+/// Planner settings (the recipe's `[planner]`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlannerConfig {
+    /// Which proposers run.
+    pub proposer: ProposerKind,
+    /// Greedy early stop: proposals without improvement before stopping.
+    pub early_stop_threshold: Option<u32>,
+    /// How shards are placed.
+    pub partitioner: PartitionerKind,
+    /// Share of each rank's table memory kept free (TorchRec's heuristic reservation: 0.15).
+    pub reserved_percentage: f64,
+    /// Bytes per rank the dense model needs (parameters × 6 for gradients and optimizer).
+    pub dense_bytes: u64,
+    /// Estimator formulas.
+    pub cost_model: CostModel,
+    /// Examples per rank per step.
+    pub batch_size: u64,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        Self {
+            proposer: ProposerKind::Default,
+            early_stop_threshold: None,
+            partitioner: PartitionerKind::GreedyPerf,
+            reserved_percentage: RESERVED_PERCENTAGE,
+            dense_bytes: 0,
+            cost_model: CostModel::Trainrec,
+            batch_size: BATCH_SIZE,
+        }
+    }
+}
+
+/// Everything a plan depends on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanInput {
+    /// The tables, with their constraints.
+    pub tables: Vec<TableSpec>,
+    /// The machines.
+    pub topology: Topology,
+    /// Planner settings.
+    pub config: PlannerConfig,
+}
+
+impl PlanInput {
+    /// SHA-256 (hex, 16 digits) of the inputs; a saved plan records it.
+    pub fn hash(&self) -> String {
+        let json = serde_json::to_vec(self).expect("plan inputs serialize");
+        let digest = Sha256::digest(&json);
+        digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// One shard's place in a plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlacedShard {
+    /// Rank holding the shard.
+    pub rank: usize,
+    /// `[rows, columns]`.
+    pub size: [u64; 2],
+    /// `[first row, first column]`.
+    pub offset: [u64; 2],
+    /// Estimated time per step.
+    pub perf: Perf,
+    /// Estimated memory.
+    pub storage: Storage,
+}
+
+/// The best alternative to a table's chosen option.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunnerUp {
+    /// Its sharding type.
+    pub sharding_type: ShardingType,
+    /// Its kernel.
+    pub compute_kernel: ComputeKernel,
+    /// The plan's slowest rank with it instead (ms); `None` when no alternative fits.
+    pub max_rank_perf: Option<f64>,
+    /// Why the chosen option won, in words.
+    pub reason: String,
+}
+
+/// One table's part of a plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TablePlan {
+    /// Table name.
+    pub name: String,
+    /// Sharding type.
+    pub sharding_type: ShardingType,
+    /// Kernel.
+    pub compute_kernel: ComputeKernel,
+    /// Cache load factor of a cached kernel.
+    pub cache_load_factor: Option<f64>,
+    /// The shards.
+    pub shards: Vec<PlacedShard>,
+    /// The best alternative (filled by [`explain`]).
+    #[serde(default)]
+    pub runner_up: Option<RunnerUp>,
+}
+
+/// One rank's totals.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankStats {
+    /// Rank.
+    pub rank: usize,
+    /// Memory used by shards.
+    pub used: Storage,
+    /// Memory available to shards after reservation.
+    pub available: Storage,
+    /// Estimated time per step (ms).
+    pub perf: f64,
+    /// Shards on the rank.
+    pub shards: usize,
+}
+
+/// A sharding plan (saved as `plan.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// File format version.
+    pub version: u32,
+    /// [`PlanInput::hash`] of the inputs it was made for.
+    pub inputs_hash: String,
+    /// Ranks.
+    pub world_size: usize,
+    /// Cost model of the estimates.
+    pub cost_model: CostModel,
+    /// The slowest rank's estimated time per step (ms): what the planner minimises.
+    pub max_rank_perf: f64,
+    /// Per-rank totals.
+    pub ranks: Vec<RankStats>,
+    /// Per-table placement.
+    pub tables: Vec<TablePlan>,
+    /// Proposals evaluated.
+    pub num_proposals: usize,
+    /// Proposals that fit.
+    pub num_plans: usize,
+}
+
+/// Per-rank capacity after the heuristic reservation (percentage, dense model, KJT buffers).
+pub fn reserve(input: &PlanInput) -> Result<Vec<Storage>, PlanError> {
+    let t = &input.topology;
+    let c = &input.config;
+    let pct = c.reserved_percentage;
+    let cuda = t.compute_device == ComputeDevice::Cuda;
+    let mut ids = 0.0;
+    for table in &input.tables {
+        let inputs = TableInputs::of(table, c.batch_size, c.cost_model);
+        for i in 0..inputs.input_lengths.len() {
+            ids += inputs.input_lengths[i] * inputs.batch_sizes[i];
+        }
+    }
+    let kjt = (ids * BIGINT_DTYPE).ceil() as u64 * KJT_MULTIPLIER;
+    let hbm = ((1.0 - pct) * t.hbm_cap as f64) as u64;
+    // TorchRec keeps the percentage of HBM only; on CPU trainrec keeps it of DDR, where the
+    // tables (and everything else) live.
+    let ddr =
+        if !cuda && c.cost_model == CostModel::Trainrec { ((1.0 - pct) * t.ddr_cap as f64) as u64 } else { t.ddr_cap };
+    let reserved = c.dense_bytes + kjt;
+    let (have, what) = if cuda { (hbm, "HBM") } else { (ddr, "DDR") };
+    if reserved > have {
+        return Err(PlanError::Reservation {
+            message: format!(
+                "each rank has {:.3} GiB of {what} after keeping {:.0}% free, but the dense model needs {:.3} GiB and the \
+                 KJT buffers {:.3} GiB; lower `planner.reserved_percentage`, `data.batch_size` or the dense model size, or \
+                 raise `topology.{}`",
+                gib(have),
+                pct * 100.0,
+                gib(c.dense_bytes),
+                gib(kjt),
+                if cuda { "hbm_gib" } else { "ddr_gib" }
+            ),
+        });
+    }
+    let cap = if cuda {
+        Storage { hbm: hbm - reserved, ddr, ssd: t.ssd_cap }
+    } else {
+        Storage { hbm: 0, ddr: ddr - reserved, ssd: t.ssd_cap }
+    };
+    Ok(vec![cap; t.world_size])
+}
+
+pub(crate) fn gib(b: u64) -> f64 {
+    b as f64 / GIB
+}
+
+fn check_topology(t: &Topology, c: &PlannerConfig) -> Result<(), PlanError> {
+    let bad = |key: &str, message: String| Err(PlanError::Topology { key: key.into(), message });
+    if t.world_size == 0 {
+        return bad("world_size", "must be at least 1".into());
+    }
+    if t.local_world_size == 0 || !t.world_size.is_multiple_of(t.local_world_size) {
+        return bad(
+            "local_world_size",
+            format!("is {} but must divide world_size = {} (ranks per host)", t.local_world_size, t.world_size),
+        );
+    }
+    for (key, v) in [
+        ("hbm_bandwidth", t.hbm_mem_bw),
+        ("ddr_bandwidth", t.ddr_mem_bw),
+        ("ssd_bandwidth", t.ssd_mem_bw),
+        ("hbm_to_ddr_bandwidth", t.hbm_to_ddr_mem_bw),
+        ("intra_host_bandwidth", t.intra_host_bw),
+        ("inter_host_bandwidth", t.inter_host_bw),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            return bad(key, format!("is {v}; a bandwidth (GiB/s) must be positive"));
+        }
+    }
+    if !(0.0..1.0).contains(&c.reserved_percentage) {
+        return Err(PlanError::Topology {
+            key: "planner.reserved_percentage".into(),
+            message: format!("is {}; it must lie in [0, 1)", c.reserved_percentage),
+        });
+    }
+    if c.batch_size == 0 {
+        return bad("batch_size", "must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// The evaluation state shared by the proposers.
+struct Search<'a> {
+    input: &'a PlanInput,
+    caps: Vec<Storage>,
+    space: Space,
+    cache: HashMap<Proposal, Option<f64>>,
+    best: Option<(Proposal, Assignment, f64)>,
+    num_proposals: usize,
+    num_plans: usize,
+    last_failure: Option<PartitionFailure>,
+    lowest_storage: Option<Storage>,
+}
+
+impl Search<'_> {
+    fn options<'s>(&'s self, p: &Proposal) -> Vec<&'s ShardingOption> {
+        p.iter().enumerate().map(|(t, &i)| &self.space[t][i as usize]).collect()
+    }
+
+    fn try_partition(&self, p: &Proposal) -> Result<(Assignment, f64), PartitionFailure> {
+        let opts = self.options(p);
+        let a = partition(self.input.config.partitioner, &opts, &self.caps, &self.input.topology)?;
+        let r = rate(&opts, &a, self.input.topology.world_size);
+        Ok((a, r))
+    }
+
+    fn record(&mut self, p: Proposal, result: Result<(Assignment, f64), PartitionFailure>) -> Option<f64> {
+        self.num_proposals += 1;
+        match result {
+            Ok((a, r)) => {
+                self.num_plans += 1;
+                if self.best.as_ref().is_none_or(|b| r < b.2) {
+                    self.best = Some((p.clone(), a, r));
+                }
+                self.cache.insert(p, Some(r));
+                Some(r)
+            }
+            Err(e) => {
+                let total = self.options(&p).iter().fold(Storage::default(), |s, o| s.plus(&o.total_storage()));
+                if self.lowest_storage.is_none_or(|l| total < l) {
+                    self.lowest_storage = Some(total);
+                }
+                self.last_failure = Some(e);
+                self.cache.insert(p, None);
+                None
+            }
+        }
+    }
+
+    /// Evaluates one proposal (cached), returning its rating when it fits.
+    fn evaluate(&mut self, p: Proposal) -> Option<f64> {
+        if let Some(r) = self.cache.get(&p) {
+            return *r;
+        }
+        let result = self.try_partition(&p);
+        self.record(p, result)
+    }
+
+    /// Evaluates a fixed list of proposals, partitioning the new ones in parallel.
+    fn evaluate_all(&mut self, ps: Vec<Proposal>) {
+        let mut fresh = Vec::new();
+        for p in ps {
+            if !self.cache.contains_key(&p) && !fresh.contains(&p) {
+                fresh.push(p);
+            }
+        }
+        let results: Vec<_> = fresh.par_iter().map(|p| self.try_partition(p)).collect();
+        for (p, r) in fresh.into_iter().zip(results) {
+            self.record(p, r);
+        }
+    }
+
+    fn greedy(&mut self, use_depth: bool) {
+        let mut g = Greedy::new(&self.space, use_depth, self.input.config.early_stop_threshold);
+        if g.adaptive() {
+            while let Some(p) = g.propose() {
+                let r = self.evaluate(p);
+                g.feedback(r);
+            }
+        } else {
+            let mut all = Vec::new();
+            while let Some(p) = g.propose() {
+                all.push(p);
+                g.feedback(None);
+            }
+            self.evaluate_all(all);
+        }
+    }
+
+    /// Grows the cached tables' load factors into free device memory: the largest budget (by
+    /// bisection) whose plan still fits, shared by expected lookups.
+    fn offload_scaleup(&mut self) {
+        let t = &self.input.topology;
+        // Start: each table's fastest cached option where it has one, else its fastest.
+        let start: Proposal = self
+            .space
+            .iter()
+            .map(|opts| {
+                let best_of = |f: &dyn Fn(&ShardingOption) -> bool| {
+                    opts.iter()
+                        .enumerate()
+                        .filter(|(_, o)| f(o))
+                        .min_by(|a, b| a.1.max_shard_perf().total_cmp(&b.1.max_shard_perf()))
+                        .map(|(i, _)| i as u32)
+                };
+                best_of(&|o| o.compute_kernel == ComputeKernel::FusedUvmCaching).or(best_of(&|_| true)).unwrap_or(0)
+            })
+            .collect();
+        let cached = cached_tables(&self.space, &start);
+        if cached.is_empty() || self.evaluate(start.clone()).is_none() {
+            return;
+        }
+        let used: u64 = self.options(&start).iter().map(|o| o.total_storage().hbm).sum();
+        let avail: u64 = self.caps.iter().map(|c| c.hbm).sum::<u64>().saturating_sub(used);
+        let est = Estimator { topo: t, cost_model: self.input.config.cost_model };
+        // Affine HBM model of each cached table in its load factor, and its fused size.
+        let mut model = Vec::new();
+        for &ti in &cached {
+            let o = &self.space[ti][start[ti] as usize];
+            let table = &self.input.tables[ti];
+            let inputs = TableInputs::of(table, self.input.config.batch_size, self.input.config.cost_model);
+            let layout = shard_layout(table, o.sharding_type, t);
+            let hbm_at = |k: ComputeKernel, clf: Option<f64>| -> f64 {
+                est.shards(table, &inputs, o.sharding_type, k, clf, &layout)
+                    .map(|s| s.iter().map(|s| s.storage.hbm as f64).sum())
+                    .unwrap_or(f64::INFINITY)
+            };
+            let (lo, hi) =
+                (hbm_at(ComputeKernel::FusedUvmCaching, Some(0.1)), hbm_at(ComputeKernel::FusedUvmCaching, Some(0.9)));
+            let a = (hi - lo) / 0.8;
+            let b = lo - a * 0.1;
+            model.push((
+                a,
+                b,
+                hbm_at(ComputeKernel::Fused, None),
+                o.cache_load_factor.unwrap_or(UVM_CACHING_RATIO),
+                inputs.batch_inputs(),
+            ));
+        }
+        let need: f64 = model.iter().map(|m| (m.2 - (m.0 * m.3 + m.1)).max(0.0)).sum();
+        let mut lo_budget = 0.0;
+        let mut hi_budget = (avail as f64).min(need);
+        for _ in 0..16 {
+            if hi_budget - lo_budget < (1 << 20) as f64 {
+                break;
+            }
+            let budget = if lo_budget == 0.0 && hi_budget == (avail as f64).min(need) {
+                hi_budget
+            } else {
+                (lo_budget + hi_budget) / 2.0
+            };
+            let clfs = allocate(&model, budget);
+            let p = self.scaled_proposal(&start, &cached, &clfs);
+            if self.evaluate(p).is_some() {
+                lo_budget = budget;
+                if budget == hi_budget {
+                    break;
+                }
+            } else {
+                hi_budget = budget;
+            }
+        }
+    }
+
+    /// `start` with the cached tables' load factors set to `clfs` (a factor near 1 becomes
+    /// the fused kernel), appending the re-estimated options to the search space.
+    fn scaled_proposal(&mut self, start: &Proposal, cached: &[usize], clfs: &[f64]) -> Proposal {
+        let mut p = start.clone();
+        let t = &self.input.topology;
+        let est = Estimator { topo: t, cost_model: self.input.config.cost_model };
+        for (&ti, &clf) in cached.iter().zip(clfs) {
+            let base = self.space[ti][start[ti] as usize].clone();
+            let (kernel, clf) =
+                if clf > 0.9999 { (ComputeKernel::Fused, None) } else { (ComputeKernel::FusedUvmCaching, Some(clf)) };
+            if let Some(i) = self.space[ti].iter().position(|o| {
+                o.sharding_type == base.sharding_type && o.compute_kernel == kernel && o.cache_load_factor == clf
+            }) {
+                p[ti] = i as u32;
+                continue;
+            }
+            let table = &self.input.tables[ti];
+            let inputs = TableInputs::of(table, self.input.config.batch_size, self.input.config.cost_model);
+            let layout = shard_layout(table, base.sharding_type, t);
+            if let Some(shards) = est.shards(table, &inputs, base.sharding_type, kernel, clf, &layout) {
+                self.space[ti].push(ShardingOption { compute_kernel: kernel, cache_load_factor: clf, shards, ..base });
+                p[ti] = (self.space[ti].len() - 1) as u32;
+            }
+        }
+        p
+    }
+}
+
+/// Shares `budget` bytes among cached tables by expected lookups, each up to its whole table
+/// (TorchRec's `allocate_budget`). `model[i] = (bytes per unit load factor, fixed bytes, fused
+/// bytes, starting load factor, expected lookups)`.
+fn allocate(model: &[(f64, f64, f64, f64, f64)], mut budget: f64) -> Vec<f64> {
+    let min: Vec<f64> = model.iter().map(|m| m.1).collect();
+    let max: Vec<f64> = model.iter().map(|m| m.0 + m.1).collect();
+    let mut cache: Vec<f64> = model.iter().map(|m| m.0 * m.3).collect();
+    let max_cache: Vec<f64> = (0..model.len()).map(|i| max[i] - min[i]).collect();
+    let mut passes = 0;
+    while budget > 1.0 && passes < 128 {
+        passes += 1;
+        let open: Vec<bool> = (0..model.len()).map(|i| min[i] + cache[i] < max[i]).collect();
+        let weight: f64 = (0..model.len()).filter(|&i| open[i]).map(|i| model[i].4).sum();
+        if weight <= 0.0 {
+            break;
+        }
+        for i in 0..model.len() {
+            if !open[i] {
+                continue;
+            }
+            let new = (cache[i] + budget * model[i].4 / weight).min(max_cache[i]);
+            budget -= new - cache[i];
+            cache[i] = new;
+            if min[i] + cache[i] > model[i].2 {
+                // Cheaper as a fused table: promote and give back the difference.
+                budget += min[i] + cache[i] - model[i].2;
+                cache[i] = max_cache[i];
+            }
+        }
+    }
+    (0..model.len()).map(|i| if max_cache[i] > 0.0 { cache[i] / max_cache[i] } else { 1.0 }).collect()
+}
+
+/// Plans the tables: the proposal whose slowest rank is fastest among those that fit.
+pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
+    check_topology(&input.topology, &input.config)?;
+    let caps = reserve(input)?;
+    let c = &input.config;
+    let space = enumerate(&input.tables, &input.topology, c.batch_size, c.cost_model)?;
+    let mut s = Search {
+        input,
+        caps,
+        space,
+        cache: HashMap::new(),
+        best: None,
+        num_proposals: 0,
+        num_plans: 0,
+        last_failure: None,
+        lowest_storage: None,
+    };
+    if !input.tables.is_empty() {
+        match c.proposer {
+            ProposerKind::Default => {
+                let g = grid(&s.space);
+                s.evaluate_all(g);
+                s.greedy(true);
+                s.greedy(false);
+                let u = uniform(&s.space);
+                s.evaluate_all(u);
+            }
+            ProposerKind::Greedy => s.greedy(true),
+            ProposerKind::Uniform => {
+                let u = uniform(&s.space);
+                s.evaluate_all(u);
+            }
+            ProposerKind::Grid => {
+                let g = grid(&s.space);
+                if g.is_empty() {
+                    return Err(PlanError::Topology {
+                        key: "planner.proposer".into(),
+                        message: format!(
+                            "grid search has more than {MAX_GRID_PROPOSALS} proposals for {} tables; use \"greedy\" or \"default\"",
+                            input.tables.len()
+                        ),
+                    });
+                }
+                s.evaluate_all(g);
+            }
+            ProposerKind::OffloadScaleup => {
+                s.greedy(true);
+                s.offload_scaleup();
+            }
+        }
+    }
+    let Some((p, a, r)) = s.best.clone() else {
+        return Err(no_fit(&s));
+    };
+    Ok(build_plan(input, &s.space, &s.caps, &p, &a, r, s.num_proposals, s.num_plans))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_plan(
+    input: &PlanInput,
+    space: &Space,
+    caps: &[Storage],
+    p: &Proposal,
+    a: &Assignment,
+    max_rank_perf: f64,
+    num_proposals: usize,
+    num_plans: usize,
+) -> Plan {
+    let w = input.topology.world_size;
+    let mut ranks: Vec<RankStats> = (0..w)
+        .map(|rank| RankStats { rank, used: Storage::default(), available: caps[rank], perf: 0.0, shards: 0 })
+        .collect();
+    let mut tables = Vec::with_capacity(p.len());
+    for (t, (&i, ranks_of)) in p.iter().zip(a).enumerate() {
+        let o = &space[t][i as usize];
+        let shards = o
+            .shards
+            .iter()
+            .zip(ranks_of)
+            .map(|(s, &r)| {
+                let rs = &mut ranks[r];
+                rs.used = rs.used.plus(&s.storage);
+                rs.perf += s.perf.total();
+                rs.shards += 1;
+                PlacedShard { rank: r, size: s.size, offset: s.offset, perf: s.perf, storage: s.storage }
+            })
+            .collect();
+        tables.push(TablePlan {
+            name: input.tables[t].name.clone(),
+            sharding_type: o.sharding_type,
+            compute_kernel: o.compute_kernel,
+            cache_load_factor: o.cache_load_factor,
+            shards,
+            runner_up: None,
+        });
+    }
+    Plan {
+        version: 1,
+        inputs_hash: input.hash(),
+        world_size: w,
+        cost_model: input.config.cost_model,
+        max_rank_perf,
+        ranks,
+        tables,
+        num_proposals,
+        num_plans,
+    }
+}
+
+/// The error when nothing fits: memory needed vs available, the largest tables, the
+/// constraints that narrowed their options.
+fn no_fit(s: &Search) -> PlanError {
+    let input = s.input;
+    let cap = s.caps.first().copied().unwrap_or_default();
+    let cuda = input.topology.compute_device == ComputeDevice::Cuda;
+    let mem = |st: &Storage| if cuda { st.hbm } else { st.ddr };
+    let tier = if cuda { "HBM" } else { "DDR" };
+    let total_cap = mem(&cap) * input.topology.world_size as u64;
+    let mut msg = format!(
+        "no plan fits: {} proposals tried, none could be placed.\n  available for tables: {:.3} GiB {tier} per rank \
+         ({:.3} GiB on {} ranks) after keeping {:.0}% free and reserving {:.3} GiB for the dense model and KJT buffers",
+        s.num_proposals,
+        gib(mem(&cap)),
+        gib(total_cap),
+        input.topology.world_size,
+        input.config.reserved_percentage * 100.0,
+        gib(if cuda {
+            ((1.0 - input.config.reserved_percentage) * input.topology.hbm_cap as f64) as u64 - cap.hbm
+        } else {
+            0
+        }
+        .max(input.config.dense_bytes)),
+    );
+    if let Some(l) = s.lowest_storage {
+        msg += &format!("\n  the smallest proposal needs {:.3} GiB {tier} in all", gib(mem(&l)));
+    }
+    // Per table, its smallest option's largest shard against one rank.
+    let mut tables: Vec<(u64, u64, usize, &ShardingOption)> = s
+        .space
+        .iter()
+        .enumerate()
+        .filter_map(|(t, opts)| {
+            opts.iter()
+                .map(|o| (mem(&o.total_storage()), o.shards.iter().map(|sh| mem(&sh.storage)).max().unwrap_or(0), t, o))
+                .min_by_key(|x| (x.1, x.0))
+        })
+        .collect();
+    tables.sort_by_key(|t| std::cmp::Reverse(t.0));
+    msg += "\n  largest tables (their smallest option):";
+    for (total, shard, t, o) in tables.iter().take(5) {
+        let spec = &input.tables[*t];
+        let narrowed = match (&spec.constraints.sharding_types, &spec.constraints.compute_kernels) {
+            (None, None) => String::new(),
+            (st, k) => format!(
+                " — restricted by tables[{t}].{}",
+                match (st, k) {
+                    (Some(_), Some(_)) => "sharding_types and compute_kernels",
+                    (Some(_), None) => "sharding_types",
+                    _ => "compute_kernels",
+                }
+            ),
+        };
+        msg += &format!(
+            "\n    {} ({} × {}): {}/{} needs {:.3} GiB, {:.3} GiB in its largest shard{}{}",
+            spec.name,
+            spec.rows,
+            spec.dim,
+            o.sharding_type,
+            o.compute_kernel,
+            gib(*total),
+            gib(*shard),
+            if *shard > mem(&cap) { " — more than a rank has" } else { "" },
+            narrowed
+        );
+    }
+    if let Some(f) = &s.last_failure {
+        msg += &format!("\n  last failure: table {}: {}", input.tables[f.table].name, f.message);
+    }
+    msg += "\n  to fit: add ranks (`topology.world_size`), raise per-rank memory (`topology.hbm_gib` / `topology.ddr_gib`), \
+            allow row_wise or a cached kernel for the largest tables, lower `planner.reserved_percentage`, or shrink the tables";
+    PlanError::NoFit { message: msg }
+}
+
+/// Fills each table's runner-up: the alternative option whose plan (same other tables,
+/// re-partitioned) has the fastest slowest rank, and why the chosen one won.
+pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
+    let c = &input.config;
+    let caps = reserve(input)?;
+    let space = enumerate(&input.tables, &input.topology, c.batch_size, c.cost_model)?;
+    // The plan's option of each table, found in the search space.
+    let chosen: Vec<Option<usize>> = plan
+        .tables
+        .iter()
+        .enumerate()
+        .map(|(t, tp)| {
+            space[t].iter().position(|o| {
+                o.sharding_type == tp.sharding_type
+                    && o.compute_kernel == tp.compute_kernel
+                    && o.cache_load_factor == tp.cache_load_factor
+            })
+        })
+        .collect();
+    if chosen.iter().any(|c| c.is_none()) {
+        // A scaled-up load factor is not in the enumerated space: nothing to compare with.
+        return Ok(());
+    }
+    let base: Vec<ShardingOption> = chosen.iter().enumerate().map(|(t, i)| space[t][i.unwrap_or(0)].clone()).collect();
+    let runner_ups: Vec<Option<RunnerUp>> = (0..space.len())
+        .into_par_iter()
+        .map(|t| {
+            let mut best: Option<(f64, &ShardingOption)> = None;
+            let mut any = None;
+            for (i, alt) in space[t].iter().enumerate() {
+                if Some(i) == chosen[t] {
+                    continue;
+                }
+                any.get_or_insert(alt);
+                let opts: Vec<&ShardingOption> =
+                    (0..space.len()).map(|u| if u == t { alt } else { &base[u] }).collect();
+                if let Ok(a) = partition(c.partitioner, &opts, &caps, &input.topology) {
+                    let r = rate(&opts, &a, input.topology.world_size);
+                    if best.is_none_or(|b| r < b.0) {
+                        best = Some((r, alt));
+                    }
+                }
+            }
+            let chosen_o = &base[t];
+            match (best, any) {
+                (Some((r, alt)), _) => {
+                    let pct = if plan.max_rank_perf > 0.0 { (r / plan.max_rank_perf - 1.0) * 100.0 } else { 0.0 };
+                    let reason = if r > plan.max_rank_perf {
+                        format!(
+                            "slowest rank {:.4} ms vs {:.4} ms with {}/{} (+{pct:.1}%)",
+                            plan.max_rank_perf, r, alt.sharding_type, alt.compute_kernel
+                        )
+                    } else {
+                        let (m0, m1) = (chosen_o.total_storage(), alt.total_storage());
+                        format!(
+                            "ties on the slowest rank ({:.4} ms); found first, using {:.3} GiB vs {:.3} GiB",
+                            r,
+                            gib(m0.hbm + m0.ddr),
+                            gib(m1.hbm + m1.ddr)
+                        )
+                    };
+                    Some(RunnerUp {
+                        sharding_type: alt.sharding_type,
+                        compute_kernel: alt.compute_kernel,
+                        max_rank_perf: Some(r),
+                        reason,
+                    })
+                }
+                (None, Some(alt)) => Some(RunnerUp {
+                    sharding_type: alt.sharding_type,
+                    compute_kernel: alt.compute_kernel,
+                    max_rank_perf: None,
+                    reason: "the only option that fits beside the other tables".into(),
+                }),
+                (None, None) => None,
+            }
+        })
+        .collect();
+    for (tp, ru) in plan.tables.iter_mut().zip(runner_ups) {
+        tp.runner_up = ru;
+    }
+    Ok(())
+}
