@@ -22,11 +22,14 @@ pub(crate) struct Device {
     pub rank: usize,
     pub free: Storage,
     pub perf: Perf,
+    /// Σ shard totals, as [`rate`] counts them.
+    pub rating: f64,
 }
 
 impl Device {
     fn take(&mut self, storage: &Storage, perf: &Perf) {
         self.free = self.free.minus(storage);
+        self.rating += perf.total();
         self.perf.fwd_compute += perf.fwd_compute;
         self.perf.fwd_comms += perf.fwd_comms;
         self.perf.bwd_compute += perf.bwd_compute;
@@ -41,12 +44,26 @@ impl Device {
 pub struct PartitionFailure {
     /// Table index.
     pub table: usize,
+    /// Stopped early: a rank's time already exceeded the bound, so the plan cannot win.
+    pub pruned: bool,
     /// What did not fit where.
     pub message: String,
 }
 
-/// Ranks of each shard of each option of a proposal (same order as the proposal).
-pub type Assignment = Vec<Vec<usize>>;
+/// Rank of every shard of a proposal, flat: option 0's shards, then option 1's, ...
+pub type Assignment = Vec<usize>;
+
+/// Start of each option's shards in an [`Assignment`].
+pub(crate) fn offsets(proposal: &[&ShardingOption]) -> Vec<usize> {
+    let mut out = Vec::with_capacity(proposal.len() + 1);
+    let mut at = 0;
+    out.push(0);
+    for o in proposal {
+        at += o.shards.len();
+        out.push(at);
+    }
+    out
+}
 
 /// Ordering of devices for the next shard: least loaded, then spread over hosts, then rank.
 fn device_key(d: &Device, local: usize) -> (f64, usize, usize) {
@@ -66,17 +83,19 @@ fn storage_str(s: &Storage) -> String {
 }
 
 /// Places shards on `devices[i]` for shard `i`.
-fn uniform(o: &ShardingOption, devices: &mut [&mut Device], out: &mut Vec<usize>) -> Result<(), PartitionFailure> {
+fn uniform(o: &ShardingOption, devices: &mut [&mut Device], out: &mut [usize]) -> Result<(), PartitionFailure> {
     if o.shards.len() != devices.len() {
         return Err(PartitionFailure {
             table: o.table,
+            pruned: false,
             message: format!("{} shards for {} ranks", o.shards.len(), devices.len()),
         });
     }
-    for (shard, d) in o.shards.iter().zip(devices.iter_mut()) {
+    for (k, (shard, d)) in o.shards.iter().zip(devices.iter_mut()).enumerate() {
         if !shard.storage.fits_in(&d.free) {
             return Err(PartitionFailure {
                 table: o.table,
+                pruned: false,
                 message: format!(
                     "a {} shard needs {} but rank {} has {} free",
                     o.sharding_type,
@@ -87,7 +106,7 @@ fn uniform(o: &ShardingOption, devices: &mut [&mut Device], out: &mut Vec<usize>
             });
         }
         d.take(&shard.storage, &shard.perf);
-        out.push(d.rank);
+        out[k] = d.rank;
     }
     Ok(())
 }
@@ -99,13 +118,12 @@ fn device_partition(
     devices: &mut [&mut Device],
     local: usize,
     distinct: bool,
-    out: &mut Vec<usize>,
+    out: &mut [usize],
 ) -> Result<(), PartitionFailure> {
-    let start = out.len();
-    for shard in &o.shards {
+    for (k, shard) in o.shards.iter().enumerate() {
         let mut best: Option<usize> = None;
         for (i, d) in devices.iter().enumerate() {
-            if distinct && out[start..].contains(&d.rank) {
+            if distinct && out[..k].contains(&d.rank) {
                 continue;
             }
             if !shard.storage.fits_in(&d.free) {
@@ -119,6 +137,7 @@ fn device_partition(
             let largest = devices.iter().map(|d| d.free).max().unwrap_or_default();
             return Err(PartitionFailure {
                 table: o.table,
+                pruned: false,
                 message: format!(
                     "a {} shard needs {} but the emptiest rank has {} free",
                     o.sharding_type,
@@ -128,7 +147,7 @@ fn device_partition(
             });
         };
         devices[b].take(&shard.storage, &shard.perf);
-        out.push(devices[b].rank);
+        out[k] = devices[b].rank;
     }
     Ok(())
 }
@@ -145,12 +164,7 @@ fn hosts_by_perf(devices: &[Device], group: usize) -> Vec<usize> {
 
 /// Table-row-wise / table-column-wise: all shards on the ranks of one host, the least loaded
 /// host first.
-fn cohost(
-    o: &ShardingOption,
-    devices: &mut [Device],
-    group: usize,
-    out: &mut Vec<usize>,
-) -> Result<(), PartitionFailure> {
+fn cohost(o: &ShardingOption, devices: &mut [Device], group: usize, out: &mut [usize]) -> Result<(), PartitionFailure> {
     let need = o.total_storage();
     for h in hosts_by_perf(devices, group) {
         let host = &devices[h * group..(h + 1) * group];
@@ -160,19 +174,20 @@ fn cohost(
         }
         let mut copy: Vec<Device> = host.to_vec();
         let mut refs: Vec<&mut Device> = copy.iter_mut().collect();
-        let mut ranks = Vec::new();
+        let mut ranks = vec![0; o.shards.len()];
         let ok = match o.sharding_type {
             ShardingType::TableRowWise => uniform(o, &mut refs, &mut ranks),
             _ => device_partition(o, &mut refs, group, false, &mut ranks),
         };
         if ok.is_ok() {
             devices[h * group..(h + 1) * group].clone_from_slice(&copy);
-            out.extend(ranks);
+            out.copy_from_slice(&ranks);
             return Ok(());
         }
     }
     Err(PartitionFailure {
         table: o.table,
+        pruned: false,
         message: format!(
             "no host has {} free for all {} {} shards",
             storage_str(&need),
@@ -187,9 +202,9 @@ fn multi_host(
     o: &ShardingOption,
     devices: &mut [Device],
     group: usize,
-    out: &mut Vec<usize>,
+    out: &mut [usize],
 ) -> Result<(), PartitionFailure> {
-    let fail = |m: String| PartitionFailure { table: o.table, message: m };
+    let fail = |m: String| PartitionFailure { table: o.table, pruned: false, message: m };
     let (hosts_needed, rem) = (o.shards.len() / group, o.shards.len() % group);
     if rem != 0 {
         return Err(fail(format!("{} grid shards do not fill hosts of {group} ranks", o.shards.len())));
@@ -208,12 +223,12 @@ fn multi_host(
         let ok = {
             // A host may repeat when the grid needs more hosts than exist: its ranks then take
             // several column blocks.
-            let mut ranks = Vec::new();
+            let mut ranks = vec![0; o.shards.len()];
             let mut res = Ok(());
             for (block, &h) in chosen.iter().enumerate() {
                 let mut refs: Vec<&mut Device> = copy[h * group..(h + 1) * group].iter_mut().collect();
                 let sub = ShardingOption { shards: o.shards[block * group..(block + 1) * group].to_vec(), ..o.clone() };
-                if let Err(e) = uniform(&sub, &mut refs, &mut ranks) {
+                if let Err(e) = uniform(&sub, &mut refs, &mut ranks[block * group..(block + 1) * group]) {
                     res = Err(e);
                     break;
                 }
@@ -222,7 +237,7 @@ fn multi_host(
         };
         if let Ok(ranks) = ok {
             devices.clone_from_slice(&copy);
-            out.extend(ranks);
+            out.copy_from_slice(&ranks);
             return Ok(());
         }
         if start + hosts_needed > order.len() || all {
@@ -239,25 +254,41 @@ pub(crate) enum SortBy {
 }
 
 /// The greedy-perf partitioner. `caps` are the per-rank capacities after reservation;
-/// `hbm_cap` overrides every rank's device memory.
+/// `hbm_cap` overrides every rank's device memory. With a `bound`, placement stops (a pruned
+/// failure) once some rank's time exceeds it: the finished plan could only be slower.
 pub(crate) fn greedy(
     proposal: &[&ShardingOption],
     caps: &[Storage],
     topo: &Topology,
     hbm_cap: Option<u64>,
     sort_by: SortBy,
+    bound: Option<f64>,
 ) -> Result<(Assignment, Vec<Device>), PartitionFailure> {
+    let limit = bound.map(|b| b * (1.0 + 1e-9)).unwrap_or(f64::INFINITY);
+    let check = |devices: &[Device], table: usize| -> Result<(), PartitionFailure> {
+        if devices.iter().any(|d| d.rating > limit) {
+            return Err(PartitionFailure { table, pruned: true, message: "slower than the best plan so far".into() });
+        }
+        Ok(())
+    };
     let mut devices: Vec<Device> = caps
         .iter()
         .enumerate()
-        .map(|(rank, c)| Device { rank, free: Storage { hbm: hbm_cap.unwrap_or(c.hbm), ..*c }, perf: Perf::default() })
+        .map(|(rank, c)| Device {
+            rank,
+            free: Storage { hbm: hbm_cap.unwrap_or(c.hbm), ..*c },
+            perf: Perf::default(),
+            rating: 0.0,
+        })
         .collect();
     let group = topo.local_world_size;
-    let mut assignment: Assignment = vec![Vec::new(); proposal.len()];
+    let at = offsets(proposal);
+    let mut assignment: Assignment = vec![0; at[proposal.len()]];
     for (i, o) in proposal.iter().enumerate() {
         if o.sharding_type.partition_by() == PartitionBy::Uniform {
             let mut refs: Vec<&mut Device> = devices.iter_mut().collect();
-            uniform(o, &mut refs, &mut assignment[i])?;
+            uniform(o, &mut refs, &mut assignment[at[i]..at[i + 1]])?;
+            check(&devices, o.table)?;
         }
     }
     let mut order: Vec<usize> =
@@ -274,7 +305,7 @@ pub(crate) fn greedy(
     }
     for i in order {
         let o = proposal[i];
-        let out = &mut assignment[i];
+        let out = &mut assignment[at[i]..at[i + 1]];
         match o.sharding_type.partition_by() {
             PartitionBy::MultiHost => multi_host(o, &mut devices, group, out)?,
             PartitionBy::Host => cohost(o, &mut devices, group, out)?,
@@ -286,6 +317,7 @@ pub(crate) fn greedy(
             }
             PartitionBy::Uniform => {}
         }
+        check(&devices, o.table)?;
     }
     Ok((assignment, devices))
 }
@@ -294,23 +326,26 @@ pub(crate) fn greedy(
 /// `NoopPerfModel`).
 pub(crate) fn rate(proposal: &[&ShardingOption], assignment: &Assignment, world: usize) -> f64 {
     let mut perf = vec![0.0; world];
-    for (o, ranks) in proposal.iter().zip(assignment) {
-        for (s, &r) in o.shards.iter().zip(ranks) {
-            perf[r] += s.perf.total();
+    let mut k = 0;
+    for o in proposal {
+        for s in &o.shards {
+            perf[assignment[k]] += s.perf.total();
+            k += 1;
         }
     }
     perf.into_iter().fold(0.0, f64::max)
 }
 
-/// Runs the chosen partitioner.
+/// Runs the chosen partitioner (`bound`: see [`greedy`]; the memory-balanced search ignores it).
 pub(crate) fn partition(
     kind: PartitionerKind,
     proposal: &[&ShardingOption],
     caps: &[Storage],
     topo: &Topology,
+    bound: Option<f64>,
 ) -> Result<Assignment, PartitionFailure> {
     match kind {
-        PartitionerKind::GreedyPerf => greedy(proposal, caps, topo, None, SortBy::Storage).map(|x| x.0),
+        PartitionerKind::GreedyPerf => greedy(proposal, caps, topo, None, SortBy::Storage, bound).map(|x| x.0),
         PartitionerKind::MemoryBalanced => memory_balanced(proposal, caps, topo),
     }
 }
@@ -322,12 +357,15 @@ fn memory_balanced(
 ) -> Result<Assignment, PartitionFailure> {
     const MAX_SEARCH: usize = 10;
     const TOLERANCE: f64 = 0.02;
-    let (default, _) = greedy(proposal, caps, topo, None, SortBy::Perf)?;
+    let (default, _) = greedy(proposal, caps, topo, None, SortBy::Perf, None)?;
     let original = rate(proposal, &default, topo.world_size);
     let mut hbm_by_rank = vec![0u64; topo.world_size];
     let (mut total, mut max_shard) = (0u64, 0u64);
-    for (o, ranks) in proposal.iter().zip(&default) {
-        for (s, &r) in o.shards.iter().zip(ranks) {
+    let mut k = 0;
+    for o in proposal {
+        for s in &o.shards {
+            let r = default[k];
+            k += 1;
             hbm_by_rank[r] += s.storage.hbm;
             total += s.storage.hbm;
             max_shard = max_shard.max(s.storage.hbm);
@@ -341,7 +379,7 @@ fn memory_balanced(
     while count < MAX_SEARCH && lo + diff < hi {
         count += 1;
         let mid = (hi + lo) / 2;
-        match greedy(proposal, caps, topo, Some(mid), SortBy::Perf) {
+        match greedy(proposal, caps, topo, Some(mid), SortBy::Perf, None) {
             Ok((a, _)) if rate(proposal, &a, topo.world_size) <= original * (1.0 + TOLERANCE) => {
                 best = a;
                 hi = mid;

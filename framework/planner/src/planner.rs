@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 use crate::PlanError;
 use crate::enumerate::enumerate;
 use crate::estimate::{Estimator, TableInputs, shard_layout};
-use crate::partition::{Assignment, PartitionFailure, PartitionerKind, partition, rate};
+use crate::partition::{Assignment, PartitionFailure, PartitionerKind, offsets, partition, rate};
 use crate::propose::{Greedy, Proposal, ProposerKind, Space, cached_tables, grid, uniform};
 use crate::types::defaults::*;
 use crate::types::{
@@ -150,6 +150,9 @@ pub struct Plan {
     pub num_proposals: usize,
     /// Proposals that fit.
     pub num_plans: usize,
+    /// Proposals whose placement stopped early, slower than the best so far.
+    #[serde(default)]
+    pub num_pruned: usize,
 }
 
 /// Per-rank capacity after the heuristic reservation (percentage, dense model, KJT buffers).
@@ -234,15 +237,48 @@ fn check_topology(t: &Topology, c: &PlannerConfig) -> Result<(), PlanError> {
     Ok(())
 }
 
+/// What became of an evaluated proposal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Outcome {
+    /// Placed; its slowest rank's time.
+    Fit(f64),
+    /// Some shard fits nowhere.
+    NoFit,
+    /// Stopped once a rank was slower than the best plan found before it.
+    Pruned,
+}
+
+/// A 128-bit fingerprint of a proposal (two independent hashes): the cache keeps these, not
+/// the proposals (60,000 proposals of 2,000 tables would be half a gigabyte).
+fn key(p: &Proposal) -> u128 {
+    let mix = |mut z: u64| {
+        // splitmix64's finaliser.
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let (mut a, mut b) = (0x243f_6a88_85a3_08d3u64, 0x1319_8a2e_0370_7344u64);
+    for (t, &i) in p.iter().enumerate() {
+        let x = ((t as u64) << 32) | i as u64;
+        a = mix(a ^ x).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        b = mix(b.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ x);
+    }
+    ((a as u128) << 64) | b as u128
+}
+
 /// The evaluation state shared by the proposers.
 struct Search<'a> {
     input: &'a PlanInput,
     caps: Vec<Storage>,
     space: Space,
-    cache: HashMap<Proposal, Option<f64>>,
+    /// Per option: (Σ shard times, slowest shard time).
+    scores: Vec<Vec<(f64, f64)>>,
+    /// Outcomes by [`key`] of the proposal.
+    cache: HashMap<u128, Outcome>,
     best: Option<(Proposal, Assignment, f64)>,
     num_proposals: usize,
     num_plans: usize,
+    num_pruned: usize,
     last_failure: Option<PartitionFailure>,
     lowest_storage: Option<Storage>,
 }
@@ -252,9 +288,26 @@ impl Search<'_> {
         p.iter().enumerate().map(|(t, &i)| &self.space[t][i as usize]).collect()
     }
 
-    fn try_partition(&self, p: &Proposal) -> Result<(Assignment, f64), PartitionFailure> {
+    fn try_partition(&self, p: &Proposal, bound: Option<f64>) -> Result<(Assignment, f64), PartitionFailure> {
+        if let Some(b) = bound {
+            // Lower bounds of any placement: the mean rank's time, and the slowest shard.
+            let (mut sum, mut max) = (0.0, 0.0f64);
+            for (t, &i) in p.iter().enumerate() {
+                let (s, m) = self.scores[t][i as usize];
+                sum += s;
+                max = max.max(m);
+            }
+            let lower = (sum / self.input.topology.world_size as f64).max(max);
+            if lower > b * (1.0 + 1e-9) {
+                return Err(PartitionFailure {
+                    table: 0,
+                    pruned: true,
+                    message: "slower than the best plan so far".into(),
+                });
+            }
+        }
         let opts = self.options(p);
-        let a = partition(self.input.config.partitioner, &opts, &self.caps, &self.input.topology)?;
+        let a = partition(self.input.config.partitioner, &opts, &self.caps, &self.input.topology, bound)?;
         let r = rate(&opts, &a, self.input.topology.world_size);
         Ok((a, r))
     }
@@ -267,8 +320,13 @@ impl Search<'_> {
                 if self.best.as_ref().is_none_or(|b| r < b.2) {
                     self.best = Some((p.clone(), a, r));
                 }
-                self.cache.insert(p, Some(r));
+                self.cache.insert(key(&p), Outcome::Fit(r));
                 Some(r)
+            }
+            Err(e) if e.pruned => {
+                self.num_pruned += 1;
+                self.cache.insert(key(&p), Outcome::Pruned);
+                None
             }
             Err(e) => {
                 let total = self.options(&p).iter().fold(Storage::default(), |s, o| s.plus(&o.total_storage()));
@@ -276,32 +334,51 @@ impl Search<'_> {
                     self.lowest_storage = Some(total);
                 }
                 self.last_failure = Some(e);
-                self.cache.insert(p, None);
+                self.cache.insert(key(&p), Outcome::NoFit);
                 None
             }
         }
     }
 
-    /// Evaluates one proposal (cached), returning its rating when it fits.
+    /// Evaluates one proposal fully (cached), returning its rating when it fits: for proposers
+    /// whose next proposal depends on the rating.
     fn evaluate(&mut self, p: Proposal) -> Option<f64> {
-        if let Some(r) = self.cache.get(&p) {
-            return *r;
+        match self.cache.get(&key(&p)) {
+            Some(Outcome::Fit(r)) => return Some(*r),
+            Some(Outcome::NoFit) => return None,
+            Some(Outcome::Pruned) => {
+                self.num_pruned -= 1;
+                self.num_proposals -= 1;
+            }
+            None => {}
         }
-        let result = self.try_partition(&p);
+        let result = self.try_partition(&p, None);
         self.record(p, result)
     }
 
-    /// Evaluates a fixed list of proposals, partitioning the new ones in parallel.
-    fn evaluate_all(&mut self, ps: Vec<Proposal>) {
-        let mut fresh = Vec::new();
-        for p in ps {
-            if !self.cache.contains_key(&p) && !fresh.contains(&p) {
-                fresh.push(p);
+    /// Evaluates a fixed list of proposals in order, partitioning chunks of new ones in
+    /// parallel; each chunk is pruned against the best plan found before it. The best plan
+    /// is the same as evaluating one by one: a pruned proposal is slower than one seen earlier.
+    fn evaluate_all(&mut self, ps: impl IntoIterator<Item = Proposal>) {
+        let chunk = 16 * rayon::current_num_threads().max(1);
+        let mut ps = ps.into_iter().peekable();
+        while ps.peek().is_some() {
+            let mut batch: Vec<Proposal> = Vec::with_capacity(chunk);
+            let mut keys = std::collections::HashSet::new();
+            for p in ps.by_ref() {
+                let k = key(&p);
+                if !self.cache.contains_key(&k) && keys.insert(k) {
+                    batch.push(p);
+                    if batch.len() == chunk {
+                        break;
+                    }
+                }
             }
-        }
-        let results: Vec<_> = fresh.par_iter().map(|p| self.try_partition(p)).collect();
-        for (p, r) in fresh.into_iter().zip(results) {
-            self.record(p, r);
+            let bound = self.best.as_ref().map(|b| b.2);
+            let results: Vec<_> = batch.par_iter().map(|p| self.try_partition(p, bound)).collect();
+            for (p, r) in batch.into_iter().zip(results) {
+                self.record(p, r);
+            }
         }
     }
 
@@ -313,12 +390,12 @@ impl Search<'_> {
                 g.feedback(r);
             }
         } else {
-            let mut all = Vec::new();
-            while let Some(p) = g.propose() {
-                all.push(p);
+            let proposals = std::iter::from_fn(|| {
+                let p = g.propose()?;
                 g.feedback(None);
-            }
-            self.evaluate_all(all);
+                Some(p)
+            });
+            self.evaluate_all(proposals);
         }
     }
 
@@ -417,7 +494,9 @@ impl Search<'_> {
             let inputs = TableInputs::of(table, self.input.config.batch_size, self.input.config.cost_model);
             let layout = shard_layout(table, base.sharding_type, t);
             if let Some(shards) = est.shards(table, &inputs, base.sharding_type, kernel, clf, &layout) {
-                self.space[ti].push(ShardingOption { compute_kernel: kernel, cache_load_factor: clf, shards, ..base });
+                let o = ShardingOption { compute_kernel: kernel, cache_load_factor: clf, shards, ..base };
+                self.scores[ti].push((o.sum_shard_perf(), o.max_shard_perf()));
+                self.space[ti].push(o);
                 p[ti] = (self.space[ti].len() - 1) as u32;
             }
         }
@@ -464,14 +543,17 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let caps = reserve(input)?;
     let c = &input.config;
     let space = enumerate(&input.tables, &input.topology, c.batch_size, c.cost_model)?;
+    let scores = space.iter().map(|o| o.iter().map(|o| (o.sum_shard_perf(), o.max_shard_perf())).collect()).collect();
     let mut s = Search {
         input,
         caps,
         space,
+        scores,
         cache: HashMap::new(),
         best: None,
         num_proposals: 0,
         num_plans: 0,
+        num_pruned: 0,
         last_failure: None,
         lowest_storage: None,
     };
@@ -512,7 +594,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let Some((p, a, r)) = s.best.clone() else {
         return Err(no_fit(&s));
     };
-    Ok(build_plan(input, &s.space, &s.caps, &p, &a, r, s.num_proposals, s.num_plans))
+    let mut plan = build_plan(input, &s.space, &s.caps, &p, &a, r, s.num_proposals, s.num_plans);
+    plan.num_pruned = s.num_pruned;
+    Ok(plan)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -531,8 +615,10 @@ fn build_plan(
         .map(|rank| RankStats { rank, used: Storage::default(), available: caps[rank], perf: 0.0, shards: 0 })
         .collect();
     let mut tables = Vec::with_capacity(p.len());
-    for (t, (&i, ranks_of)) in p.iter().zip(a).enumerate() {
-        let o = &space[t][i as usize];
+    let opts: Vec<&ShardingOption> = p.iter().enumerate().map(|(t, &i)| &space[t][i as usize]).collect();
+    let at = offsets(&opts);
+    for (t, o) in opts.iter().enumerate() {
+        let ranks_of = &a[at[t]..at[t + 1]];
         let shards = o
             .shards
             .iter()
@@ -564,6 +650,7 @@ fn build_plan(
         tables,
         num_proposals,
         num_plans,
+        num_pruned: 0,
     }
 }
 
@@ -677,7 +764,7 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
                 any.get_or_insert(alt);
                 let opts: Vec<&ShardingOption> =
                     (0..space.len()).map(|u| if u == t { alt } else { &base[u] }).collect();
-                if let Ok(a) = partition(c.partitioner, &opts, &caps, &input.topology) {
+                if let Ok(a) = partition(c.partitioner, &opts, &caps, &input.topology, best.map(|b| b.0)) {
                     let r = rate(&opts, &a, input.topology.world_size);
                     if best.is_none_or(|b| r < b.0) {
                         best = Some((r, alt));

@@ -84,6 +84,81 @@ pub enum BenchCommand {
     /// W4: NE and AUC update + compute over `--n` predictions, the flags of
     /// `bench/anchors/w4_metrics.py`.
     Metrics(MetricsArgs),
+    /// W3: sharding planner wall time and plan quality on a table set, the flags and JSON keys
+    /// of `bench/anchors/w3_planner.py`.
+    Plan(PlanArgs),
+}
+
+/// Device of `bench plan`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// CPU ranks.
+    Cpu,
+    /// CUDA ranks.
+    Cuda,
+}
+
+/// Cost model of `bench plan` and `plan`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum CostModelArg {
+    /// trainrec's engines.
+    Trainrec,
+    /// TorchRec's default estimators and search space.
+    Torchrec,
+}
+
+impl CostModelArg {
+    fn model(self) -> trainrec_planner::CostModel {
+        match self {
+            Self::Trainrec => trainrec_planner::CostModel::Trainrec,
+            Self::Torchrec => trainrec_planner::CostModel::Torchrec,
+        }
+    }
+}
+
+/// Proposers of `bench plan`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ProposerArg {
+    /// TorchRec's default list (grid, greedy, greedy by sum, uniform).
+    Default,
+    /// Greedy only (`--threshold` early stop).
+    Greedy,
+}
+
+/// Flags of `trainrec bench plan`.
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// Table set (`../shared/bench/planner/tables-200.json`).
+    #[arg(long)]
+    pub tables_json: PathBuf,
+    /// Ranks.
+    #[arg(long, default_value_t = 8)]
+    pub world_size: usize,
+    /// Ranks per host (default: world size).
+    #[arg(long)]
+    pub local_world_size: Option<usize>,
+    /// Planner batch size.
+    #[arg(long, default_value_t = 512)]
+    pub batch: u64,
+    /// Compute device.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cuda)]
+    pub compute_device: DeviceArg,
+    /// Estimator formulas.
+    #[arg(long, value_enum, default_value_t = CostModelArg::Trainrec)]
+    pub cost_model: CostModelArg,
+    /// Proposers.
+    #[arg(long, value_enum, default_value_t = ProposerArg::Default)]
+    pub proposer: ProposerArg,
+    /// Greedy early-stop threshold (with `--proposer greedy`).
+    #[arg(long)]
+    pub threshold: Option<u32>,
+    /// Timed plans.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Leave out the runner-up explanations (included by default, as TorchRec's timing
+    /// includes its stats table).
+    #[arg(long)]
+    pub no_explain: bool,
 }
 
 /// Flags of `trainrec bench metrics`.
@@ -271,6 +346,36 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("error: {e} (--n, --batch, --window and --repeats must be > 0)");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        Command::Bench { which: BenchCommand::Plan(a) } => {
+            let bench = trainrec_planner::bench::PlanBench {
+                tables_json: a.tables_json,
+                world_size: a.world_size,
+                local_world_size: a.local_world_size,
+                batch: a.batch,
+                compute_device: match a.compute_device {
+                    DeviceArg::Cpu => trainrec_planner::ComputeDevice::Cpu,
+                    DeviceArg::Cuda => trainrec_planner::ComputeDevice::Cuda,
+                },
+                cost_model: a.cost_model.model(),
+                proposer: match a.proposer {
+                    ProposerArg::Default => trainrec_planner::ProposerKind::Default,
+                    ProposerArg::Greedy => trainrec_planner::ProposerKind::Greedy,
+                },
+                threshold: a.threshold,
+                repeats: a.repeats,
+                explain: !a.no_explain,
+            };
+            match trainrec_planner::bench::run(&bench) {
+                Ok(result) => {
+                    println!("{result}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
                     ExitCode::from(2)
                 }
             }
