@@ -70,6 +70,17 @@ fn quickstart_learns_the_planted_signal() {
         .collect();
     assert_eq!(events.len(), 1);
     assert!(std::fs::metadata(events[0].path()).unwrap().len() > 200);
+    // The sharding plan: on one rank every table's shards on rank 0, every row placed.
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["world_size"], 1);
+    let tables = plan["tables"].as_array().unwrap();
+    assert_eq!(tables.len(), 8);
+    for t in tables {
+        let rows: u64 = t["shards"].as_array().unwrap().iter().map(|s| s["size"][0].as_u64().unwrap()).sum();
+        assert!(t["shards"].as_array().unwrap().iter().all(|s| s["rank"] == 0), "{t}");
+        assert!(rows >= 1000, "{t}");
+    }
 }
 
 #[test]

@@ -82,10 +82,14 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     }
     problems.extend(model_problems);
     if problems.is_empty() {
-        Ok(features.expect("a sound sampler section yields features"))
-    } else {
-        Err(loaded.locate(problems))
+        // The planner runs last: it needs sound tables, features and model.
+        let features = features.expect("a sound sampler section yields features");
+        problems.extend(crate::plan::plan_problems(recipe, &loaded.base_dir, &features, registry));
+        if problems.is_empty() {
+            return Ok(features);
+        }
     }
+    Err(loaded.locate(problems))
 }
 
 /// The job's tasks: (name, index of its label column in the sampler's labels). Without

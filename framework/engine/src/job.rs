@@ -57,6 +57,8 @@ pub struct Job {
     num_labels: usize,
     /// The plugin metrics the recipe names, by name.
     plugin_metrics: BTreeMap<String, std::sync::Arc<dyn crate::registry::MetricFactory>>,
+    /// The sharding plan (written to the run directory as `plan.json`).
+    plan: trainrec_planner::Plan,
 }
 
 /// Sets libtorch's and the embedding kernels' thread counts.
@@ -79,6 +81,29 @@ impl Job {
             .resolved_toml()
             .map_err(|e| EngineError::Internal(format!("cannot serialize the resolved recipe: {e}")))?;
         configure_threads(recipe.run.threads);
+        let topo = &recipe.topology;
+        if topo.world_size > 1 || topo.compute_device != trainrec_planner::ComputeDevice::Cpu {
+            let key = if topo.world_size > 1 { "world_size" } else { "compute_device" };
+            let d = trainrec_recipe::Diagnostic::new(
+                trainrec_recipe::KeyPath::root().key("topology").key(key),
+                format!(
+                    "`trainrec run` trains on one CPU rank; this recipe asks for {} {} rank(s)",
+                    topo.world_size,
+                    topo.compute_device.name()
+                ),
+            )
+            .with_help("`trainrec plan` plans for it; training across ranks and on GPUs is not built yet");
+            return Err(EngineError::Recipe(loaded.locate(vec![d])));
+        }
+        let plan_input = crate::plan::recipe_plan_input(&recipe, features, registry);
+        let plan = crate::plan::recipe_plan(&plan_input, &recipe, &loaded.base_dir, false)
+            .map_err(|e| EngineError::Recipe(loaded.locate(vec![trainrec_recipe::plan::plan_diagnostic(&e)])))?;
+        tracing::info!(
+            tables = plan.tables.len(),
+            max_rank_perf_ms = plan.max_rank_perf,
+            inputs_hash = %plan.inputs_hash,
+            "sharding plan: every table on rank 0"
+        );
         tch::manual_seed(recipe.run.seed as i64);
 
         let mut feature_rows = BTreeMap::new();
@@ -141,6 +166,7 @@ impl Job {
             tasks,
             num_labels: features.labels.len(),
             plugin_metrics,
+            plan,
         })
     }
 
@@ -320,6 +346,9 @@ impl Job {
         let out_dir = self.recipe.output_dir();
         std::fs::create_dir_all(&out_dir).map_err(|e| EngineError::Io { path: out_dir.clone(), source: e })?;
         write_atomic(&out_dir.join("resolved.toml"), self.resolved_toml.as_bytes())?;
+        let plan_path = out_dir.join("plan.json");
+        trainrec_planner::save_plan(&self.plan, &plan_path)
+            .map_err(|e| EngineError::Io { path: plan_path, source: e })?;
         let metrics_path = out_dir.join("metrics.jsonl");
         let mut log = MetricsLog::create(&metrics_path)?;
 

@@ -3,6 +3,7 @@
 pub mod check;
 pub mod error;
 pub mod job;
+pub mod plan;
 pub mod reference;
 pub mod registry;
 

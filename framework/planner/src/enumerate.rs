@@ -154,12 +154,33 @@ pub(crate) fn table_options(
     Ok(out)
 }
 
-/// The search space: each table's options (tables estimated in parallel).
+/// The search space: each table's options (tables estimated in parallel). The error is the
+/// first table's, in table order.
 pub fn enumerate(
     tables: &[TableSpec],
     topo: &Topology,
     batch_size: u64,
     cost_model: CostModel,
 ) -> Result<Vec<Vec<ShardingOption>>, PlanError> {
-    tables.par_iter().enumerate().map(|(i, t)| table_options(i, t, topo, batch_size, cost_model)).collect()
+    let all: Vec<_> =
+        tables.par_iter().enumerate().map(|(i, t)| table_options(i, t, topo, batch_size, cost_model)).collect();
+    all.into_iter().collect()
+}
+
+/// Every table's constraint problem (each table's first), without estimating anything: for
+/// validation, which reports them all at once.
+pub fn check_tables(tables: &[TableSpec], topo: &Topology, cost_model: CostModel) -> Vec<PlanError> {
+    tables
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| {
+            let mut probe = t.clone();
+            // One row and column are enough to see whether any option survives the filters.
+            probe.rows = probe.rows.clamp(1, 1);
+            if let Err(e) = check_constraints(i, t) {
+                return Some(e);
+            }
+            table_options(i, &probe, topo, 1, cost_model).err()
+        })
+        .collect()
 }

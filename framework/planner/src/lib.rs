@@ -24,10 +24,10 @@ mod propose;
 mod report;
 mod types;
 
-pub use enumerate::{enumerate, supported_kernels, supported_sharding_types};
+pub use enumerate::{check_tables, enumerate, supported_kernels, supported_sharding_types};
 pub use partition::PartitionerKind;
 pub use planner::{
-    PlacedShard, Plan, PlanInput, PlannerConfig, RankStats, RunnerUp, TablePlan, explain, plan, reserve,
+    PlacedShard, Plan, PlanInput, PlannerConfig, RankStats, RunnerUp, TablePlan, check_topology, explain, plan, reserve,
 };
 pub use propose::ProposerKind;
 pub use report::{load_plan, render, save_plan};

@@ -90,6 +90,9 @@ pub struct RunnerUp {
     pub sharding_type: ShardingType,
     /// Its kernel.
     pub compute_kernel: ComputeKernel,
+    /// Its cache load factor.
+    #[serde(default)]
+    pub cache_load_factor: Option<f64>,
     /// The plan's slowest rank with it instead (ms); `None` when no alternative fits.
     pub max_rank_perf: Option<f64>,
     /// Why the chosen option won, in words.
@@ -198,11 +201,26 @@ pub fn reserve(input: &PlanInput) -> Result<Vec<Storage>, PlanError> {
     Ok(vec![cap; t.world_size])
 }
 
+/// Bytes as B / KiB / MiB / GiB.
+pub(crate) fn human(b: u64) -> String {
+    let b = b as f64;
+    if b >= GIB {
+        format!("{:.2} GiB", b / GIB)
+    } else if b >= 1024.0 * 1024.0 {
+        format!("{:.1} MiB", b / 1024.0 / 1024.0)
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{b} B")
+    }
+}
+
 pub(crate) fn gib(b: u64) -> f64 {
     b as f64 / GIB
 }
 
-fn check_topology(t: &Topology, c: &PlannerConfig) -> Result<(), PlanError> {
+/// Checks the topology and planner settings on their own.
+pub fn check_topology(t: &Topology, c: &PlannerConfig) -> Result<(), PlanError> {
     let bad = |key: &str, message: String| Err(PlanError::Topology { key: key.into(), message });
     if t.world_size == 0 {
         return bad("world_size", "must be at least 1".into());
@@ -403,21 +421,25 @@ impl Search<'_> {
     /// bisection) whose plan still fits, shared by expected lookups.
     fn offload_scaleup(&mut self) {
         let t = &self.input.topology;
-        // Start: each table's fastest cached option where it has one, else its fastest.
-        let start: Proposal = self
-            .space
-            .iter()
-            .map(|opts| {
-                let best_of = |f: &dyn Fn(&ShardingOption) -> bool| {
-                    opts.iter()
-                        .enumerate()
-                        .filter(|(_, o)| f(o))
-                        .min_by(|a, b| a.1.max_shard_perf().total_cmp(&b.1.max_shard_perf()))
-                        .map(|(i, _)| i as u32)
-                };
-                best_of(&|o| o.compute_kernel == ComputeKernel::FusedUvmCaching).or(best_of(&|_| true)).unwrap_or(0)
-            })
-            .collect();
+        // Start from the best plan so far (the greedy's); without one, from each table's
+        // fastest cached option where it has one, else its fastest (TorchRec's start).
+        let start: Proposal = match &self.best {
+            Some((p, _, _)) => p.clone(),
+            None => self
+                .space
+                .iter()
+                .map(|opts| {
+                    let best_of = |f: &dyn Fn(&ShardingOption) -> bool| {
+                        opts.iter()
+                            .enumerate()
+                            .filter(|(_, o)| f(o))
+                            .min_by(|a, b| a.1.max_shard_perf().total_cmp(&b.1.max_shard_perf()))
+                            .map(|(i, _)| i as u32)
+                    };
+                    best_of(&|o| o.compute_kernel == ComputeKernel::FusedUvmCaching).or(best_of(&|_| true)).unwrap_or(0)
+                })
+                .collect(),
+        };
         let cached = cached_tables(&self.space, &start);
         if cached.is_empty() || self.evaluate(start.clone()).is_none() {
             return;
@@ -452,15 +474,12 @@ impl Search<'_> {
         let need: f64 = model.iter().map(|m| (m.2 - (m.0 * m.3 + m.1)).max(0.0)).sum();
         let mut lo_budget = 0.0;
         let mut hi_budget = (avail as f64).min(need);
-        for _ in 0..16 {
+        for round in 0..16 {
             if hi_budget - lo_budget < (1 << 20) as f64 {
                 break;
             }
-            let budget = if lo_budget == 0.0 && hi_budget == (avail as f64).min(need) {
-                hi_budget
-            } else {
-                (lo_budget + hi_budget) / 2.0
-            };
+            // Try the whole budget first, then bisect.
+            let budget = if round == 0 { hi_budget } else { (lo_budget + hi_budget) / 2.0 };
             let clfs = allocate(&model, budget);
             let p = self.scaled_proposal(&start, &cached, &clfs);
             if self.evaluate(p).is_some() {
@@ -520,11 +539,13 @@ fn allocate(model: &[(f64, f64, f64, f64, f64)], mut budget: f64) -> Vec<f64> {
         if weight <= 0.0 {
             break;
         }
+        // This pass's shares all come from the budget at its start.
+        let pass_budget = budget;
         for i in 0..model.len() {
             if !open[i] {
                 continue;
             }
-            let new = (cache[i] + budget * model[i].4 / weight).min(max_cache[i]);
+            let new = (cache[i] + pass_budget * model[i].4 / weight).min(max_cache[i]);
             budget -= new - cache[i];
             cache[i] = new;
             if min[i] + cache[i] > model[i].2 {
@@ -665,18 +686,20 @@ fn no_fit(s: &Search) -> PlanError {
     let total_cap = mem(&cap) * input.topology.world_size as u64;
     let mut msg = format!(
         "no plan fits: {} proposals tried, none could be placed.\n  available for tables: {:.3} GiB {tier} per rank \
-         ({:.3} GiB on {} ranks) after keeping {:.0}% free and reserving {:.3} GiB for the dense model and KJT buffers",
+         ({:.3} GiB on {} ranks) after keeping {:.0}% free and reserving {} for the dense model and KJT buffers",
         s.num_proposals,
         gib(mem(&cap)),
         gib(total_cap),
         input.topology.world_size,
         input.config.reserved_percentage * 100.0,
-        gib(if cuda {
-            ((1.0 - input.config.reserved_percentage) * input.topology.hbm_cap as f64) as u64 - cap.hbm
-        } else {
-            0
-        }
-        .max(input.config.dense_bytes)),
+        human(
+            if cuda {
+                ((1.0 - input.config.reserved_percentage) * input.topology.hbm_cap as f64) as u64 - cap.hbm
+            } else {
+                0
+            }
+            .max(input.config.dense_bytes)
+        ),
     );
     if let Some(l) = s.lowest_storage {
         msg += &format!("\n  the smallest proposal needs {:.3} GiB {tier} in all", gib(mem(&l)));
@@ -708,14 +731,14 @@ fn no_fit(s: &Search) -> PlanError {
             ),
         };
         msg += &format!(
-            "\n    {} ({} × {}): {}/{} needs {:.3} GiB, {:.3} GiB in its largest shard{}{}",
+            "\n    {} ({} × {}): {}/{} needs {}, {} in its largest shard{}{}",
             spec.name,
             spec.rows,
             spec.dim,
             o.sharding_type,
             o.compute_kernel,
-            gib(*total),
-            gib(*shard),
+            human(*total),
+            human(*shard),
             if *shard > mem(&cap) { " — more than a rank has" } else { "" },
             narrowed
         );
@@ -734,31 +757,37 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
     let c = &input.config;
     let caps = reserve(input)?;
     let space = enumerate(&input.tables, &input.topology, c.batch_size, c.cost_model)?;
-    // The plan's option of each table, found in the search space.
-    let chosen: Vec<Option<usize>> = plan
+    // The plan's own options (shards in plan order; placement is redone by the partitioner).
+    let base: Vec<ShardingOption> = plan
         .tables
         .iter()
         .enumerate()
-        .map(|(t, tp)| {
-            space[t].iter().position(|o| {
-                o.sharding_type == tp.sharding_type
-                    && o.compute_kernel == tp.compute_kernel
-                    && o.cache_load_factor == tp.cache_load_factor
-            })
+        .map(|(t, tp)| ShardingOption {
+            table: t,
+            sharding_type: tp.sharding_type,
+            compute_kernel: tp.compute_kernel,
+            cache_load_factor: tp.cache_load_factor,
+            shards: tp
+                .shards
+                .iter()
+                .map(|s| crate::types::Shard { size: s.size, offset: s.offset, perf: s.perf, storage: s.storage })
+                .collect(),
         })
         .collect();
-    if chosen.iter().any(|c| c.is_none()) {
-        // A scaled-up load factor is not in the enumerated space: nothing to compare with.
-        return Ok(());
-    }
-    let base: Vec<ShardingOption> = chosen.iter().enumerate().map(|(t, i)| space[t][i.unwrap_or(0)].clone()).collect();
     let runner_ups: Vec<Option<RunnerUp>> = (0..space.len())
         .into_par_iter()
         .map(|t| {
             let mut best: Option<(f64, &ShardingOption)> = None;
             let mut any = None;
-            for (i, alt) in space[t].iter().enumerate() {
-                if Some(i) == chosen[t] {
+            for alt in &space[t] {
+                let same = |a: &ShardingOption, b: &ShardingOption| {
+                    a.compute_kernel == b.compute_kernel
+                        && a.shards.len() == b.shards.len()
+                        && a.shards.iter().zip(&b.shards).all(|(x, y)| x == y)
+                };
+                // Skip the chosen option and its twins (e.g. column-wise in one block is
+                // table-wise).
+                if same(alt, &base[t]) {
                     continue;
                 }
                 any.get_or_insert(alt);
@@ -775,23 +804,23 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
             match (best, any) {
                 (Some((r, alt)), _) => {
                     let pct = if plan.max_rank_perf > 0.0 { (r / plan.max_rank_perf - 1.0) * 100.0 } else { 0.0 };
+                    let (m0, m1) = (chosen_o.total_storage(), alt.total_storage());
+                    let own = format!(
+                        "its shards {:.4} vs {:.4} ms, {} vs {}",
+                        chosen_o.max_shard_perf(),
+                        alt.max_shard_perf(),
+                        human(m0.hbm + m0.ddr),
+                        human(m1.hbm + m1.ddr)
+                    );
                     let reason = if r > plan.max_rank_perf {
-                        format!(
-                            "slowest rank {:.4} ms vs {:.4} ms with {}/{} (+{pct:.1}%)",
-                            plan.max_rank_perf, r, alt.sharding_type, alt.compute_kernel
-                        )
+                        format!("slowest rank {:.4} vs {r:.4} ms (+{pct:.1}%); {own}", plan.max_rank_perf)
                     } else {
-                        let (m0, m1) = (chosen_o.total_storage(), alt.total_storage());
-                        format!(
-                            "ties on the slowest rank ({:.4} ms); found first, using {:.3} GiB vs {:.3} GiB",
-                            r,
-                            gib(m0.hbm + m0.ddr),
-                            gib(m1.hbm + m1.ddr)
-                        )
+                        format!("same slowest rank ({r:.4} ms), found first; {own}")
                     };
                     Some(RunnerUp {
                         sharding_type: alt.sharding_type,
                         compute_kernel: alt.compute_kernel,
+                        cache_load_factor: alt.cache_load_factor,
                         max_rank_perf: Some(r),
                         reason,
                     })
@@ -799,6 +828,7 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
                 (None, Some(alt)) => Some(RunnerUp {
                     sharding_type: alt.sharding_type,
                     compute_kernel: alt.compute_kernel,
+                    cache_load_factor: alt.cache_load_factor,
                     max_rank_perf: None,
                     reason: "the only option that fits beside the other tables".into(),
                 }),

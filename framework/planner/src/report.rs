@@ -53,7 +53,10 @@ pub fn render(plan: &Plan, input: &PlanInput) -> String {
             None => tp.compute_kernel.to_string(),
         };
         let why = match &tp.runner_up {
-            Some(r) => format!("{}/{}: {}", r.sharding_type, r.compute_kernel, r.reason),
+            Some(r) => match r.cache_load_factor {
+                Some(clf) => format!("{}/{} ({clf:.2}): {}", r.sharding_type, r.compute_kernel, r.reason),
+                None => format!("{}/{}: {}", r.sharding_type, r.compute_kernel, r.reason),
+            },
             None => "-".into(),
         };
         let _ =

@@ -264,8 +264,10 @@ pub enum OptimizerState {
     RowWise,
     /// One value per weight (Adagrad).
     PerWeight,
-    /// Two values per weight (Adam).
+    /// Two values per weight (Adam, LAMB).
     TwoPerWeight,
+    /// One value per weight and one per row (partial row-wise Adam).
+    PerWeightPlusRow,
 }
 
 impl OptimizerState {
@@ -276,6 +278,7 @@ impl OptimizerState {
             Self::RowWise => 1.0 / dim as f64,
             Self::PerWeight => 1.0,
             Self::TwoPerWeight => 2.0,
+            Self::PerWeightPlusRow => 1.0 + 1.0 / dim as f64,
         }
     }
 }

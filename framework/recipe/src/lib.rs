@@ -8,6 +8,7 @@
 
 pub mod diagnostic;
 pub mod load;
+pub mod plan;
 pub mod reference;
 pub mod schema;
 pub mod validate;

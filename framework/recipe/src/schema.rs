@@ -6,6 +6,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use trainrec_embedding::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WeightPrecision};
+use trainrec_planner::{
+    CacheParams, ComputeDevice, ComputeKernel, CostModel, OutputDtype, PartitionerKind, ProposerKind, ShardingType,
+};
 
 /// A whole training job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -33,6 +36,126 @@ pub struct Recipe {
     /// task per label column of the sampler.
     #[serde(default)]
     pub tasks: Vec<TaskSection>,
+    /// The machines the job is planned for (ranks, memory, bandwidths).
+    #[serde(default)]
+    pub topology: TopologySection,
+    /// The sharding planner.
+    #[serde(default)]
+    pub planner: PlannerSection,
+}
+
+/// `[topology]`: the ranks the embedding tables are sharded over, as the planner sees them.
+/// Unset keys take TorchRec's planner defaults. The planner's batch size is `data.batch_size`
+/// (per rank).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TopologySection {
+    /// Ranks in all. `trainrec run` trains on one rank; `trainrec plan` plans for any number.
+    #[serde(default = "defaults::world_size")]
+    pub world_size: usize,
+    /// Ranks per host. Default: `world_size` (one host).
+    #[serde(default)]
+    pub local_world_size: Option<usize>,
+    /// Device running the embedding kernels: `cpu` (tables in DDR) or `cuda` (tables in HBM).
+    #[serde(default)]
+    pub compute_device: ComputeDevice,
+    /// Device memory per rank, GiB. Default: 32 on `cuda`, 0 on `cpu`.
+    #[serde(default)]
+    pub hbm_gib: Option<f64>,
+    /// Host memory per rank, GiB. Default: 128.
+    #[serde(default)]
+    pub ddr_gib: Option<f64>,
+    /// SSD per rank, GiB (for `key_value` tables). Default: 2048.
+    #[serde(default)]
+    pub ssd_gib: Option<f64>,
+    /// Device memory bandwidth, GiB/s. Default: 897.
+    #[serde(default)]
+    pub hbm_bandwidth: Option<f64>,
+    /// Host memory bandwidth, GiB/s. Default: 51.
+    #[serde(default)]
+    pub ddr_bandwidth: Option<f64>,
+    /// SSD bandwidth, GiB/s. Default: 0.098 (100 MiB/s).
+    #[serde(default)]
+    pub ssd_bandwidth: Option<f64>,
+    /// Device-to-host-memory bandwidth, GiB/s (UVM). Default: 32.
+    #[serde(default)]
+    pub hbm_to_ddr_bandwidth: Option<f64>,
+    /// Bandwidth between ranks of one host, GiB/s. Default: 600.
+    #[serde(default)]
+    pub intra_host_bandwidth: Option<f64>,
+    /// Bandwidth between hosts, GiB/s. Default: 12.5.
+    #[serde(default)]
+    pub inter_host_bandwidth: Option<f64>,
+}
+
+impl Default for TopologySection {
+    fn default() -> Self {
+        Self {
+            world_size: defaults::world_size(),
+            local_world_size: None,
+            compute_device: ComputeDevice::Cpu,
+            hbm_gib: None,
+            ddr_gib: None,
+            ssd_gib: None,
+            hbm_bandwidth: None,
+            ddr_bandwidth: None,
+            ssd_bandwidth: None,
+            hbm_to_ddr_bandwidth: None,
+            intra_host_bandwidth: None,
+            inter_host_bandwidth: None,
+        }
+    }
+}
+
+/// `[planner]`: how tables are assigned sharding types, kernels and ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PlannerSection {
+    /// Which proposers run: `default` (TorchRec's list: grid search when small, greedy by
+    /// slowest shard, greedy by summed shards, uniform), `greedy`, `uniform`, `grid`, or
+    /// `offload_scaleup` (greedy, then grow cached tables' load factors into free memory).
+    #[serde(default)]
+    pub proposer: ProposerKind,
+    /// Greedy proposer: stop after this many proposals without a better plan. Default: try
+    /// every option.
+    #[serde(default)]
+    pub early_stop_threshold: Option<u32>,
+    /// `greedy_perf` (largest tables first onto the least-loaded rank) or `memory_balanced`
+    /// (as fast within 2%, memory spread evenly).
+    #[serde(default)]
+    pub partitioner: PartitionerKind,
+    /// Share of each rank's table memory kept free for everything else (TorchRec's heuristic
+    /// reservation).
+    #[serde(default = "defaults::reserved_percentage")]
+    pub reserved_percentage: f64,
+    /// Memory per rank reserved for the dense model (parameters, gradients, optimizer
+    /// state), MiB. Default: the built model's parameter bytes × 6 (TorchRec's multiplier);
+    /// `trainrec validate` counts 0.
+    #[serde(default)]
+    pub dense_estimate_mib: Option<f64>,
+    /// Estimator formulas: `trainrec` (trainrec's engines) or `torchrec` (TorchRec 1.9's
+    /// defaults exactly).
+    #[serde(default)]
+    pub cost_model: CostModel,
+    /// Use this saved plan (`trainrec plan` writes one) instead of planning; it must have been
+    /// made for the same tables, constraints, topology and planner settings (checked by hash).
+    /// Relative to the recipe file.
+    #[serde(default)]
+    pub plan_file: Option<String>,
+}
+
+impl Default for PlannerSection {
+    fn default() -> Self {
+        Self {
+            proposer: ProposerKind::Default,
+            early_stop_threshold: None,
+            partitioner: PartitionerKind::GreedyPerf,
+            reserved_percentage: defaults::reserved_percentage(),
+            dense_estimate_mib: None,
+            cost_model: CostModel::Trainrec,
+            plan_file: None,
+        }
+    }
 }
 
 /// `[[tasks]]`: one prediction task of a multi-task job (TorchRec's `RecTaskInfo`).
@@ -135,6 +258,42 @@ pub struct TableSection {
     /// precision, optimizer and pooling are batched into one group.
     #[serde(default)]
     pub optimizer: Option<SparseOptimizerConfig>,
+    /// Planner: allowed sharding types (`data_parallel`, `table_wise`, `column_wise`,
+    /// `table_column_wise`, `row_wise`, `table_row_wise`, `grid`). Default: all the device
+    /// supports except `grid`.
+    #[serde(default)]
+    pub sharding_types: Option<Vec<ShardingType>>,
+    /// Planner: allowed compute kernels (`dense`, `fused`, `fused_uvm`, `fused_uvm_caching`,
+    /// `key_value`). Default: all the device supports except `key_value`.
+    #[serde(default)]
+    pub compute_kernels: Option<Vec<ComputeKernel>>,
+    /// Planner: smallest column block of column-wise sharding (TorchRec's `min_partition`).
+    /// Default: 128.
+    #[serde(default)]
+    pub min_partition: Option<u64>,
+    /// Planner: mean ids per bag of each feature. Default: 1.0 each.
+    #[serde(default)]
+    pub pooling_factors: Option<Vec<f64>>,
+    /// Planner: poolings per example of each feature. Default: 1.0 each.
+    #[serde(default)]
+    pub num_poolings: Option<Vec<f64>>,
+    /// Planner: batch size of each feature. Default: `data.batch_size`.
+    #[serde(default)]
+    pub batch_sizes: Option<Vec<u64>>,
+    /// Planner: the features carry per-id weights (costlier backward).
+    #[serde(default)]
+    pub is_weighted: bool,
+    /// Planner: cache of a `fused_uvm_caching` / `key_value` table. The cache load factor is
+    /// set here and nowhere else.
+    #[serde(default)]
+    pub cache: Option<CacheParams>,
+    /// Planner: keep a cached table's rows in device memory when they fit.
+    #[serde(default)]
+    pub enforce_hbm: Option<bool>,
+    /// Planner: dtype of the pooled output (`fp32`, `fp16`, `bf16`). Default: the table's
+    /// precision.
+    #[serde(default)]
+    pub output_dtype: Option<OutputDtype>,
 }
 
 /// `[embedding]`: options of the embedding engine.
@@ -331,6 +490,14 @@ pub enum MetricSection {
 pub mod defaults {
     use super::*;
 
+    /// Default `topology.world_size`.
+    pub fn world_size() -> usize {
+        1
+    }
+    /// Default `planner.reserved_percentage` (TorchRec's heuristic reservation).
+    pub fn reserved_percentage() -> f64 {
+        trainrec_planner::defaults::RESERVED_PERCENTAGE
+    }
     /// Default `[[metrics]]`: NE (with log loss) and AUC.
     pub fn metrics() -> Vec<MetricSection> {
         vec![MetricSection::Ne { include_logloss: true }, MetricSection::Auc { grouped: false }]

@@ -51,6 +51,23 @@ pub enum Command {
         #[command(flatten)]
         overrides: Overrides,
     },
+    /// Plan the sharding of a recipe's tables: prints the per-rank and per-table stats (with
+    /// each table's runner-up) and writes `plan.json`. Plans afresh even when
+    /// `planner.plan_file` is set, and then rewrites that file.
+    Plan {
+        /// The recipe file.
+        recipe: PathBuf,
+        /// Plan for this many ranks (`--set topology.world_size=N`).
+        #[arg(long)]
+        world_size: Option<usize>,
+        /// Where to write the plan. Default: `planner.plan_file` when set, else
+        /// `<run output dir>/plan.json`.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Overrides (`--set topology.compute_device=cuda`, `--set planner.cost_model=torchrec`).
+        #[command(flatten)]
+        overrides: Overrides,
+    },
     /// Check recipes and print every problem found, with key path, file and line.
     Validate {
         /// Recipe files.
@@ -317,6 +334,13 @@ pub fn main_with(registry: Registry) -> ExitCode {
     match cli.command {
         Command::Run { recipe, overrides } => run(&registry, &recipe, &overrides.options()),
         Command::Validate { recipes, overrides } => validate(&registry, &recipes, &overrides.options()),
+        Command::Plan { recipe, world_size, out, overrides } => {
+            let mut options = overrides.options();
+            if let Some(n) = world_size {
+                options.overrides.push(format!("topology.world_size={n}"));
+            }
+            plan(&registry, &recipe, out, &options)
+        }
         Command::Report { run_dir } => match crate::report::render(&run_dir) {
             Ok(files) => {
                 println!("wrote {} plots to {}", files.len(), run_dir.join("plots").display());
@@ -406,6 +430,46 @@ fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> 
         }
     }
     if bad > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS }
+}
+
+fn plan(registry: &Registry, path: &std::path::Path, out: Option<PathBuf>, options: &LoadOptions) -> ExitCode {
+    let mut loaded = match trainrec_recipe::load(path, options) {
+        Ok(l) => l,
+        Err(diags) => {
+            eprintln!("{diags}");
+            return ExitCode::from(2);
+        }
+    };
+    // Plan afresh: a pinned plan is what this command regenerates.
+    let pinned = loaded.recipe.planner.plan_file.take();
+    let features = match trainrec_engine::check_loaded(&loaded, registry) {
+        Ok(f) => f,
+        Err(diags) => {
+            eprintln!("{diags}");
+            return ExitCode::from(2);
+        }
+    };
+    let recipe = &loaded.recipe;
+    let input = trainrec_engine::plan::recipe_plan_input(recipe, &features, registry);
+    let plan = match trainrec_engine::plan::recipe_plan(&input, recipe, &loaded.base_dir, true) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{}", loaded.locate(vec![trainrec_recipe::plan::plan_diagnostic(&e)]));
+            return ExitCode::from(2);
+        }
+    };
+    print!("{}", trainrec_planner::render(&plan, &input));
+    let out = out.or(pinned.map(|p| loaded.base_dir.join(p))).unwrap_or_else(|| recipe.output_dir().join("plan.json"));
+    match trainrec_planner::save_plan(&plan, &out) {
+        Ok(()) => {
+            println!("\nwrote {}", out.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: cannot write {}: {e}", out.display());
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn run(registry: &Registry, path: &std::path::Path, options: &LoadOptions) -> ExitCode {

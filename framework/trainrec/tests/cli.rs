@@ -134,3 +134,101 @@ fn bench_metrics_prints_the_w4_shape() {
     let ne = v["ne"]["values"]["lifetime_ne"].as_f64().unwrap();
     assert!((0.8..0.92).contains(&ne), "NE ~ 0.865, got {ne}");
 }
+
+#[test]
+fn plan_prints_the_stats_writes_the_plan_and_a_pinned_plan_is_checked() {
+    let dir = std::env::temp_dir().join(format!("trainrec-plan-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan_path = dir.join("plan.json");
+    let out = plan_path.display().to_string();
+    let (code, stdout, stderr) = trainrec(&["plan", "recipes/planner/criteo_8gpu.toml", "--out", &out]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("plan for 12 tables on 8 rank(s)") && stdout.contains("slowest rank:"), "{stdout}");
+    // One line per rank and per table, each table with its runner-up.
+    for rank in 0..8 {
+        assert!(stdout.lines().any(|l| l.trim_start().starts_with(&format!("{rank} "))), "rank {rank}: {stdout}");
+    }
+    let t10 = stdout.lines().find(|l| l.trim_start().starts_with("t_C10 ")).expect("t_C10 line");
+    assert!(t10.contains("row_wise") && t10.contains("0-7") && t10.contains("slowest rank"), "{t10}");
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan_path).unwrap()).unwrap();
+    assert_eq!(plan["world_size"], 8);
+    assert_eq!(plan["tables"].as_array().unwrap().len(), 12);
+
+    // Pin it: the recipe validates with it, and refuses it once an input changes.
+    let recipe = dir.join("pinned.toml");
+    let base = workspace().join("recipes/planner/criteo_8gpu.toml").canonicalize().unwrap();
+    std::fs::write(
+        &recipe,
+        format!("extends = {:?}\n\n[planner]\nplan_file = \"plan.json\"\n", base.display().to_string()),
+    )
+    .unwrap();
+    let r = recipe.display().to_string();
+    let (code, _, stderr) = trainrec(&["validate", &r]);
+    assert_eq!(code, 0, "{stderr}");
+    let (code, _, stderr) = trainrec(&["validate", &r, "--set", "tables[3].rows=7425"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("key: planner.plan_file") && stderr.contains("other planner inputs"), "{stderr}");
+    // What-if planning for 16 ranks on two hosts from the command line.
+    let (code, stdout, stderr) = trainrec(&[
+        "plan",
+        "recipes/planner/criteo_8gpu.toml",
+        "--world-size",
+        "16",
+        "--set",
+        "topology.local_world_size=8",
+        "--out",
+        &out,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("on 16 rank(s) (8 per host"), "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn run_refuses_more_than_one_rank_and_points_at_plan() {
+    let (code, _, stderr) = trainrec(&["run", "recipes/planner/criteo_8gpu.toml"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("key: topology.world_size") && stderr.contains("`trainrec plan` plans for it"), "{stderr}");
+}
+
+#[test]
+fn bench_plan_prints_the_w3_keys() {
+    let tables = std::env::temp_dir().join(format!("trainrec-bench-plan-{}.json", std::process::id()));
+    let set: Vec<serde_json::Value> = (0..12)
+        .map(|i| serde_json::json!({"name": format!("t{i}"), "rows": 1000 * (i + 1) * (i + 1), "dim": [32, 64, 128][i % 3], "features": [format!("f{i}")], "pooling_factor": 1.0}))
+        .collect();
+    std::fs::write(&tables, serde_json::json!({"tables": set}).to_string()).unwrap();
+    let t = tables.display().to_string();
+    let (code, stdout, stderr) = trainrec(&[
+        "bench",
+        "plan",
+        "--tables-json",
+        &t,
+        "--world-size",
+        "4",
+        "--cost-model",
+        "torchrec",
+        "--repeats",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    for key in [
+        "plan_wall",
+        "num_proposals",
+        "num_plans",
+        "max_rank_perf_estimate",
+        "per_rank_perf",
+        "per_rank_hbm_GiB",
+        "per_rank_ddr_GiB",
+        "sharding_kinds",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key}: {stdout}");
+    }
+    assert_eq!(v["plan_wall"]["n"], 2);
+    assert_eq!(v["per_rank_perf"].as_array().unwrap().len(), 4);
+    let worst = v["per_rank_perf"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).fold(0.0, f64::max);
+    assert!((worst - v["max_rank_perf_estimate"].as_f64().unwrap()).abs() < 1e-12);
+    std::fs::remove_file(&tables).unwrap();
+}
