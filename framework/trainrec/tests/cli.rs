@@ -196,7 +196,10 @@ fn run_refuses_more_than_one_rank_and_points_at_plan() {
 fn bench_plan_prints_the_w3_keys() {
     let tables = std::env::temp_dir().join(format!("trainrec-bench-plan-{}.json", std::process::id()));
     let set: Vec<serde_json::Value> = (0..12)
-        .map(|i| serde_json::json!({"name": format!("t{i}"), "rows": 1000 * (i + 1) * (i + 1), "dim": [32, 64, 128][i % 3], "features": [format!("f{i}")], "pooling_factor": 1.0}))
+        .map(|i| {
+            let dim = [32, 64, 128][i % 3];
+            serde_json::json!({"name": format!("t{i}"), "rows": 1000 * (i + 1) * (i + 1), "dim": dim, "features": [format!("f{i}")], "pooling_factor": 1.0})
+        })
         .collect();
     std::fs::write(&tables, serde_json::json!({"tables": set}).to_string()).unwrap();
     let t = tables.display().to_string();
