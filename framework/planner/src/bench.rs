@@ -34,6 +34,8 @@ pub struct PlanBench {
     pub repeats: usize,
     /// Also fill the runner-up explanations (as `trainrec plan` does) inside the timing.
     pub explain: bool,
+    /// Run the refinement pass.
+    pub refine: bool,
 }
 
 #[derive(Deserialize)]
@@ -88,6 +90,7 @@ pub fn run(b: &PlanBench) -> Result<String, String> {
         early_stop_threshold: b.threshold,
         cost_model: b.cost_model,
         batch_size: b.batch,
+        refine: b.refine,
         ..Default::default()
     };
     let input = PlanInput { tables, topology, config };
@@ -126,6 +129,7 @@ pub fn run(b: &PlanBench) -> Result<String, String> {
             "threshold": b.threshold,
             "repeats": n,
             "explain": b.explain,
+            "refine": b.refine,
             "threads": rayon::current_num_threads(),
         },
         "plan_wall": {"median_s": median(&mut times), "min_s": min, "max_s": max, "n": n},

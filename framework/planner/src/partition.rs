@@ -11,8 +11,9 @@ pub enum PartitionerKind {
     /// Largest tables first, each shard on the least-loaded rank it fits on.
     #[default]
     GreedyPerf,
-    /// Greedy-perf, then the lowest per-rank device-memory cap whose plan is within 2% of the
-    /// unconstrained plan's time (binary search, 10 steps): same speed, memory spread evenly.
+    /// Greedy-perf, then the lowest per-rank table-memory cap (HBM on CUDA, DDR on CPU) whose
+    /// plan is within 2% of the unconstrained plan's time (binary search, 10 steps): same
+    /// speed, memory spread evenly.
     MemoryBalanced,
 }
 
@@ -254,13 +255,13 @@ pub(crate) enum SortBy {
 }
 
 /// The greedy-perf partitioner. `caps` are the per-rank capacities after reservation;
-/// `hbm_cap` overrides every rank's device memory. With a `bound`, placement stops (a pruned
+/// `tier_cap` overrides every rank's table memory (HBM on CUDA, DDR on CPU). With a `bound`, placement stops (a pruned
 /// failure) once some rank's time exceeds it: the finished plan could only be slower.
 pub(crate) fn greedy(
     proposal: &[&ShardingOption],
     caps: &[Storage],
     topo: &Topology,
-    hbm_cap: Option<u64>,
+    tier_cap: Option<u64>,
     sort_by: SortBy,
     bound: Option<f64>,
 ) -> Result<(Assignment, Vec<Device>), PartitionFailure> {
@@ -276,7 +277,11 @@ pub(crate) fn greedy(
         .enumerate()
         .map(|(rank, c)| Device {
             rank,
-            free: Storage { hbm: hbm_cap.unwrap_or(c.hbm), ..*c },
+            free: match (tier_cap, topo.compute_device) {
+                (Some(cap), crate::types::ComputeDevice::Cuda) => Storage { hbm: cap, ..*c },
+                (Some(cap), crate::types::ComputeDevice::Cpu) => Storage { ddr: cap, ..*c },
+                (None, _) => *c,
+            },
             perf: Perf::default(),
             rating: 0.0,
         })
@@ -359,6 +364,9 @@ fn memory_balanced(
     const TOLERANCE: f64 = 0.02;
     let (default, _) = greedy(proposal, caps, topo, None, SortBy::Perf, None)?;
     let original = rate(proposal, &default, topo.world_size);
+    // The memory the tables live in: HBM on CUDA (TorchRec's), DDR on CPU (where TorchRec's
+    // HBM-only search has nothing to balance).
+    let tier = |st: &Storage| if topo.compute_device == crate::types::ComputeDevice::Cuda { st.hbm } else { st.ddr };
     let mut hbm_by_rank = vec![0u64; topo.world_size];
     let (mut total, mut max_shard) = (0u64, 0u64);
     let mut k = 0;
@@ -366,9 +374,10 @@ fn memory_balanced(
         for s in &o.shards {
             let r = default[k];
             k += 1;
-            hbm_by_rank[r] += s.storage.hbm;
-            total += s.storage.hbm;
-            max_shard = max_shard.max(s.storage.hbm);
+            let bytes = tier(&s.storage);
+            hbm_by_rank[r] += bytes;
+            total += bytes;
+            max_shard = max_shard.max(bytes);
         }
     }
     let mut hi = hbm_by_rank.iter().copied().max().unwrap_or(0);

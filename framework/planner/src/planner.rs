@@ -32,7 +32,14 @@ pub struct PlannerConfig {
     pub cost_model: CostModel,
     /// Examples per rank per step.
     pub batch_size: u64,
+    /// After the proposers, improve the best plan one table at a time (every other option
+    /// of each table, kept when the slowest rank gets faster) until no change helps, when the
+    /// search space has at most [`REFINE_MAX_OPTIONS`] options.
+    pub refine: bool,
 }
+
+/// Largest search space (options over all tables) that [`PlannerConfig::refine`] walks.
+pub const REFINE_MAX_OPTIONS: usize = 20_000;
 
 impl Default for PlannerConfig {
     fn default() -> Self {
@@ -44,6 +51,7 @@ impl Default for PlannerConfig {
             dense_bytes: 0,
             cost_model: CostModel::Trainrec,
             batch_size: BATCH_SIZE,
+            refine: true,
         }
     }
 }
@@ -417,6 +425,30 @@ impl Search<'_> {
         }
     }
 
+    /// Local search from the best plan: for each table in turn, every other option of it
+    /// with the rest unchanged; a better plan becomes the base. Stops after a pass without
+    /// improvement (at most 4 passes).
+    fn refine(&mut self) {
+        for _ in 0..4 {
+            let Some(start) = self.best.as_ref().map(|b| b.2) else { return };
+            for t in 0..self.space.len() {
+                let Some(base) = self.best.as_ref().map(|b| b.0.clone()) else { return };
+                let alternatives: Vec<Proposal> = (0..self.space[t].len() as u32)
+                    .filter(|&i| i != base[t])
+                    .map(|i| {
+                        let mut p = base.clone();
+                        p[t] = i;
+                        p
+                    })
+                    .collect();
+                self.evaluate_all(alternatives);
+            }
+            if self.best.as_ref().map(|b| b.2) >= Some(start) {
+                return;
+            }
+        }
+    }
+
     /// Grows the cached tables' load factors into free device memory: the largest budget (by
     /// bisection) whose plan still fits, shared by expected lookups.
     fn offload_scaleup(&mut self) {
@@ -463,10 +495,11 @@ impl Search<'_> {
                 (hbm_at(ComputeKernel::FusedUvmCaching, Some(0.1)), hbm_at(ComputeKernel::FusedUvmCaching, Some(0.9)));
             let a = (hi - lo) / 0.8;
             let b = lo - a * 0.1;
+            let fused_ok = table.constraints.compute_kernels.as_ref().is_none_or(|k| k.contains(&ComputeKernel::Fused));
             model.push((
                 a,
                 b,
-                hbm_at(ComputeKernel::Fused, None),
+                if fused_ok { hbm_at(ComputeKernel::Fused, None) } else { f64::INFINITY },
                 o.cache_load_factor.unwrap_or(UVM_CACHING_RATIO),
                 inputs.batch_inputs(),
             ));
@@ -501,8 +534,18 @@ impl Search<'_> {
         let est = Estimator { topo: t, cost_model: self.input.config.cost_model };
         for (&ti, &clf) in cached.iter().zip(clfs) {
             let base = self.space[ti][start[ti] as usize].clone();
-            let (kernel, clf) =
-                if clf > 0.9999 { (ComputeKernel::Fused, None) } else { (ComputeKernel::FusedUvmCaching, Some(clf)) };
+            // A cache as large as the table becomes the fused kernel, where the table's
+            // constraints allow it (else the cache grows to the whole table).
+            let fused_ok = self.input.tables[ti]
+                .constraints
+                .compute_kernels
+                .as_ref()
+                .is_none_or(|k| k.contains(&ComputeKernel::Fused));
+            let (kernel, clf) = if clf > 0.9999 && fused_ok {
+                (ComputeKernel::Fused, None)
+            } else {
+                (ComputeKernel::FusedUvmCaching, Some(clf.min(1.0)))
+            };
             if let Some(i) = self.space[ti].iter().position(|o| {
                 o.sharding_type == base.sharding_type && o.compute_kernel == kernel && o.cache_load_factor == clf
             }) {
@@ -610,6 +653,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
                 s.greedy(true);
                 s.offload_scaleup();
             }
+        }
+        if c.refine && s.space.iter().map(Vec::len).sum::<usize>() <= REFINE_MAX_OPTIONS {
+            s.refine();
         }
     }
     let Some((p, a, r)) = s.best.clone() else {

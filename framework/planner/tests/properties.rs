@@ -28,7 +28,11 @@ fn random_input(rng: &mut StdRng) -> PlanInput {
                 c.sharding_types = Some((0..k).map(|_| all_types[rng.random_range(0..all_types.len())]).collect());
             }
             if rng.random_bool(0.2) && device == ComputeDevice::Cuda {
-                c.compute_kernels = Some(vec![ComputeKernel::Fused, ComputeKernel::FusedUvmCaching]);
+                c.compute_kernels = Some(if rng.random_bool(0.5) {
+                    vec![ComputeKernel::Fused, ComputeKernel::FusedUvmCaching]
+                } else {
+                    vec![ComputeKernel::FusedUvmCaching]
+                });
                 c.cache = Some(CacheParams { load_factor: Some(rng.random_range(0.05..0.5)), ..Default::default() });
             }
             if rng.random_bool(0.3) {

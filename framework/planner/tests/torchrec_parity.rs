@@ -72,9 +72,11 @@ fn input_of(case: &Value) -> PlanInput {
             spec
         })
         .collect();
+    // TorchRec's search exactly: no refinement pass.
     let config = PlannerConfig {
         cost_model: CostModel::Torchrec,
         batch_size: inp["batch"].as_u64().unwrap(),
+        refine: false,
         ..Default::default()
     };
     PlanInput { tables, topology, config }
@@ -122,6 +124,23 @@ fn search_space_matches_torchrec_option_by_option() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn refinement_never_loses_to_torchrec() {
+    for case in fixture()["cases"].as_array().unwrap() {
+        let mut input = input_of(case);
+        input.config.refine = true;
+        let plan = plan(&input).unwrap();
+        let theirs = case["max_rank_perf"].as_f64().unwrap();
+        assert!(
+            plan.max_rank_perf <= theirs * (1.0 + 1e-12),
+            "{}: ours {} torchrec {theirs}",
+            case["name"],
+            plan.max_rank_perf
+        );
+        eprintln!("{}: refined {} vs torchrec {theirs}", case["name"], plan.max_rank_perf);
     }
 }
 

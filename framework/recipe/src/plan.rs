@@ -84,6 +84,7 @@ pub fn plan_input(recipe: &Recipe, dense_bytes: u64) -> PlanInput {
         dense_bytes: p.dense_estimate_mib.map(|m| (m * 1024.0 * 1024.0) as u64).unwrap_or(dense_bytes),
         cost_model: p.cost_model,
         batch_size: recipe.data.batch_size as u64,
+        refine: p.refine,
     };
     PlanInput { tables, topology, config }
 }

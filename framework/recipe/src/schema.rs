@@ -137,6 +137,11 @@ pub struct PlannerSection {
     /// defaults exactly).
     #[serde(default)]
     pub cost_model: CostModel,
+    /// After the proposers, improve the best plan one table at a time (each table's other
+    /// options, the rest unchanged) while its slowest rank gets faster; for search spaces of
+    /// up to 20,000 options.
+    #[serde(default = "defaults::refine")]
+    pub refine: bool,
     /// Use this saved plan (`trainrec plan` writes one) instead of planning; it must have been
     /// made for the same tables, constraints, topology and planner settings (checked by hash).
     /// Relative to the recipe file.
@@ -153,6 +158,7 @@ impl Default for PlannerSection {
             reserved_percentage: defaults::reserved_percentage(),
             dense_estimate_mib: None,
             cost_model: CostModel::Trainrec,
+            refine: defaults::refine(),
             plan_file: None,
         }
     }
@@ -493,6 +499,10 @@ pub mod defaults {
     /// Default `topology.world_size`.
     pub fn world_size() -> usize {
         1
+    }
+    /// Default `planner.refine`.
+    pub fn refine() -> bool {
+        true
     }
     /// Default `planner.reserved_percentage` (TorchRec's heuristic reservation).
     pub fn reserved_percentage() -> f64 {

@@ -176,6 +176,9 @@ pub struct PlanArgs {
     /// includes its stats table).
     #[arg(long)]
     pub no_explain: bool,
+    /// Skip the refinement pass (TorchRec's search exactly).
+    #[arg(long)]
+    pub no_refine: bool,
 }
 
 /// Flags of `trainrec bench metrics`.
@@ -392,6 +395,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 threshold: a.threshold,
                 repeats: a.repeats,
                 explain: !a.no_explain,
+                refine: !a.no_refine,
             };
             match trainrec_planner::bench::run(&bench) {
                 Ok(result) => {

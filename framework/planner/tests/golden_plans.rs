@@ -1,0 +1,73 @@
+//! Golden plans (trainrec's cost model) for fixed tables and topologies: the stats table of
+//! each, runner-ups included. `TRAINREC_BLESS=1` rewrites them after a reviewed change.
+use serde_json::Value;
+use trainrec_planner::*;
+
+fn tables(limit: usize) -> Vec<TableSpec> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/planner/torchrec_plans.json");
+    let fx: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    fx["cases"][0]["tables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(limit)
+        .map(|t| {
+            let features = t["features"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
+            let mut s = TableSpec::new(
+                t["name"].as_str().unwrap(),
+                t["rows"].as_u64().unwrap(),
+                t["dim"].as_u64().unwrap(),
+                features,
+            );
+            s.optimizer = OptimizerState::RowWise;
+            s
+        })
+        .collect()
+}
+
+fn check(name: &str, input: PlanInput) {
+    let mut p = plan(&input).unwrap_or_else(|e| panic!("{name}: {e}"));
+    explain(&input, &mut p).unwrap();
+    let text = render(&p, &input);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(format!("{name}.txt"));
+    if std::env::var("TRAINREC_BLESS").as_deref() == Ok("1") {
+        std::fs::write(&path, &text).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}; bless with TRAINREC_BLESS=1", path.display()));
+    assert!(
+        want == text,
+        "{} is stale (TRAINREC_BLESS=1 after review)\n--- expected\n{want}\n--- actual\n{text}",
+        path.display()
+    );
+}
+
+#[test]
+fn twenty_six_tables_on_two_hosts_of_four_gpus() {
+    let mut topology = Topology::new(8, ComputeDevice::Cuda);
+    topology.local_world_size = 4;
+    topology.hbm_cap = 16 << 30;
+    check("t26_2x4_cuda", PlanInput { tables: tables(26), topology, config: PlannerConfig::default() });
+}
+
+#[test]
+fn twelve_tables_on_four_cpu_ranks_memory_balanced() {
+    let mut topology = Topology::new(4, ComputeDevice::Cpu);
+    topology.ddr_cap = 8 << 30;
+    let config = PlannerConfig { partitioner: PartitionerKind::MemoryBalanced, batch_size: 1024, ..Default::default() };
+    check("t12_4_cpu_balanced", PlanInput { tables: tables(12), topology, config });
+}
+
+#[test]
+fn cached_tables_scaled_up_into_free_hbm() {
+    let mut t = tables(6);
+    for s in &mut t {
+        s.constraints.compute_kernels = Some(vec![ComputeKernel::FusedUvmCaching]);
+        s.constraints.cache = Some(CacheParams { load_factor: Some(0.1), ..Default::default() });
+    }
+    let mut topology = Topology::new(2, ComputeDevice::Cuda);
+    topology.hbm_cap = 1 << 30;
+    let config = PlannerConfig { proposer: ProposerKind::OffloadScaleup, ..Default::default() };
+    check("t6_2_cuda_scaleup", PlanInput { tables: t, topology, config });
+}
