@@ -768,7 +768,7 @@ fn no_fit(s: &Search) -> PlanError {
         let narrowed = match (&spec.constraints.sharding_types, &spec.constraints.compute_kernels) {
             (None, None) => String::new(),
             (st, k) => format!(
-                " — restricted by tables[{t}].{}",
+                " — restricted by tables[{t}].constraints.{}",
                 match (st, k) {
                     (Some(_), Some(_)) => "sharding_types and compute_kernels",
                     (Some(_), None) => "sharding_types",

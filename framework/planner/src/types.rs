@@ -217,8 +217,10 @@ pub struct CacheParams {
     pub prefetch_pipeline: Option<bool>,
 }
 
-/// Per-table planner constraints (TorchRec's `ParameterConstraints`).
+/// Per-table planner constraints (TorchRec's `ParameterConstraints`), the recipe's
+/// `[tables.constraints]`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct Constraints {
     /// Allowed sharding types. Default: all the device supports except `grid`.
     #[serde(default)]

@@ -1,9 +1,7 @@
 //! The planner's view of a recipe: tables with their constraints, the topology, the planner
 //! settings; and planner errors as diagnostics at the recipe key at fault.
 use trainrec_embedding::SparseOptimizerConfig;
-use trainrec_planner::{
-    ComputeDevice, Constraints, OptimizerState, PlanError, PlanInput, PlannerConfig, TableSpec, Topology,
-};
+use trainrec_planner::{ComputeDevice, OptimizerState, PlanError, PlanInput, PlannerConfig, TableSpec, Topology};
 
 use crate::diagnostic::{Diagnostic, KeyPath};
 use crate::schema::Recipe;
@@ -61,18 +59,7 @@ pub fn plan_input(recipe: &Recipe, dense_bytes: u64) -> PlanInput {
             precision: tab.precision,
             pooled: true,
             optimizer: optimizer_state(tab.optimizer.as_ref().unwrap_or(&recipe.optimizer.sparse)),
-            constraints: Constraints {
-                sharding_types: tab.sharding_types.clone(),
-                compute_kernels: tab.compute_kernels.clone(),
-                min_partition: tab.min_partition,
-                pooling_factors: tab.pooling_factors.clone(),
-                num_poolings: tab.num_poolings.clone(),
-                batch_sizes: tab.batch_sizes.clone(),
-                is_weighted: tab.is_weighted,
-                cache: tab.cache.clone(),
-                enforce_hbm: tab.enforce_hbm,
-                output_dtype: tab.output_dtype,
-            },
+            constraints: tab.constraints.clone(),
         })
         .collect();
     let p = &recipe.planner;
@@ -97,11 +84,12 @@ fn path_of(base: KeyPath, dotted: &str) -> KeyPath {
 pub fn plan_diagnostic(e: &PlanError) -> Diagnostic {
     let root = KeyPath::root();
     match e {
-        PlanError::Constraint { table, index, key, message } => {
-            Diagnostic::new(path_of(root.key("tables").index(*index), key), format!("table {table}: `{key}` {message}"))
-        }
+        PlanError::Constraint { table, index, key, message } => Diagnostic::new(
+            path_of(root.key("tables").index(*index).key("constraints"), key),
+            format!("table {table}: `{key}` {message}"),
+        ),
         PlanError::NoOptions { table, index, key, message } => Diagnostic::new(
-            path_of(root.key("tables").index(*index), key),
+            path_of(root.key("tables").index(*index).key("constraints"), key),
             format!("table {table}: no way left to shard it: `{key}` {message}"),
         )
         .with_help("allow a sharding type and kernel the device supports, or change topology.compute_device"),

@@ -6,9 +6,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use trainrec_embedding::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WeightPrecision};
-use trainrec_planner::{
-    CacheParams, ComputeDevice, ComputeKernel, CostModel, OutputDtype, PartitionerKind, ProposerKind, ShardingType,
-};
+use trainrec_planner::{ComputeDevice, Constraints, CostModel, PartitionerKind, ProposerKind};
 
 /// A whole training job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -264,42 +262,11 @@ pub struct TableSection {
     /// precision, optimizer and pooling are batched into one group.
     #[serde(default)]
     pub optimizer: Option<SparseOptimizerConfig>,
-    /// Planner: allowed sharding types (`data_parallel`, `table_wise`, `column_wise`,
-    /// `table_column_wise`, `row_wise`, `table_row_wise`, `grid`). Default: all the device
-    /// supports except `grid`.
+    /// The planner's constraints on this table (TorchRec's `ParameterConstraints`): allowed
+    /// sharding types and kernels, pooling factors, cache parameters (the one place the cache
+    /// load factor is set), ...
     #[serde(default)]
-    pub sharding_types: Option<Vec<ShardingType>>,
-    /// Planner: allowed compute kernels (`dense`, `fused`, `fused_uvm`, `fused_uvm_caching`,
-    /// `key_value`). Default: all the device supports except `key_value`.
-    #[serde(default)]
-    pub compute_kernels: Option<Vec<ComputeKernel>>,
-    /// Planner: smallest column block of column-wise sharding (TorchRec's `min_partition`).
-    /// Default: 128.
-    #[serde(default)]
-    pub min_partition: Option<u64>,
-    /// Planner: mean ids per bag of each feature. Default: 1.0 each.
-    #[serde(default)]
-    pub pooling_factors: Option<Vec<f64>>,
-    /// Planner: poolings per example of each feature. Default: 1.0 each.
-    #[serde(default)]
-    pub num_poolings: Option<Vec<f64>>,
-    /// Planner: batch size of each feature. Default: `data.batch_size`.
-    #[serde(default)]
-    pub batch_sizes: Option<Vec<u64>>,
-    /// Planner: the features carry per-id weights (costlier backward).
-    #[serde(default)]
-    pub is_weighted: bool,
-    /// Planner: cache of a `fused_uvm_caching` / `key_value` table. The cache load factor is
-    /// set here and nowhere else.
-    #[serde(default)]
-    pub cache: Option<CacheParams>,
-    /// Planner: keep a cached table's rows in device memory when they fit.
-    #[serde(default)]
-    pub enforce_hbm: Option<bool>,
-    /// Planner: dtype of the pooled output (`fp32`, `fp16`, `bf16`). Default: the table's
-    /// precision.
-    #[serde(default)]
-    pub output_dtype: Option<OutputDtype>,
+    pub constraints: Constraints,
 }
 
 /// `[embedding]`: options of the embedding engine.

@@ -397,27 +397,9 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 explain: !a.no_explain,
                 refine: !a.no_refine,
             };
-            match trainrec_planner::bench::run(&bench) {
-                Ok(result) => {
-                    println!("{result}");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::from(2)
-                }
-            }
+            print_bench(trainrec_planner::bench::run(&bench))
         }
-        Command::Bench { which: BenchCommand::Ebc(args) } => match trainrec_embedding::bench::run(&args.bench()) {
-            Ok(result) => {
-                println!("{result}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(2)
-            }
-        },
+        Command::Bench { which: BenchCommand::Ebc(args) } => print_bench(trainrec_embedding::bench::run(&args.bench())),
     }
 }
 
@@ -434,6 +416,20 @@ fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> 
         }
     }
     if bad > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS }
+}
+
+/// Prints a benchmark's JSON line, or its error (exit 2: bad flags or inputs).
+fn print_bench<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>) -> ExitCode {
+    match result {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
 }
 
 fn plan(registry: &Registry, path: &std::path::Path, out: Option<PathBuf>, options: &LoadOptions) -> ExitCode {
