@@ -174,12 +174,11 @@ pub fn check_tables(tables: &[TableSpec], topo: &Topology, cost_model: CostModel
         .iter()
         .enumerate()
         .filter_map(|(i, t)| {
-            let mut probe = t.clone();
-            // One row and column are enough to see whether any option survives the filters.
-            probe.rows = probe.rows.clamp(1, 1);
             if let Err(e) = check_constraints(i, t) {
                 return Some(e);
             }
+            // One row is enough to see whether any option survives the filters.
+            let probe = TableSpec { rows: 1, ..t.clone() };
             table_options(i, &probe, topo, 1, cost_model).err()
         })
         .collect()
