@@ -62,6 +62,7 @@ impl TableInputs {
 
 /// Row-wise blocks: `ceil(rows / n)` rows each, the last ones shorter or empty.
 fn rw_sizes(rows: u64, n: usize, cols: u64) -> Vec<([u64; 2], [u64; 2])> {
+    let n = n.max(1);
     let block = rows.div_ceil(n as u64).max(1);
     let last_rank = rows / block;
     let last_block = rows - block * last_rank;

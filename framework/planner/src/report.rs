@@ -97,6 +97,9 @@ pub fn load_plan(path: &Path, input: &PlanInput) -> Result<Plan, PlanError> {
     let err = |message: String| PlanError::PlanFile { path: path.display().to_string(), message };
     let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot be read: {e}")))?;
     let plan: Plan = serde_json::from_str(&text).map_err(|e| err(format!("is not a trainrec plan: {e}")))?;
+    if plan.version != 1 {
+        return Err(err(format!("has plan format version {}; this trainrec reads version 1", plan.version)));
+    }
     let want = input.hash();
     if plan.inputs_hash != want {
         return Err(err(format!(
