@@ -95,15 +95,6 @@ impl Job {
             .with_help("`trainrec plan` plans for it; training across ranks and on GPUs is not built yet");
             return Err(EngineError::Recipe(loaded.locate(vec![d])));
         }
-        let plan_input = crate::plan::recipe_plan_input(&recipe, features, registry);
-        let plan = crate::plan::recipe_plan(&plan_input, &recipe, &loaded.base_dir, false)
-            .map_err(|e| EngineError::Recipe(loaded.locate(vec![trainrec_recipe::plan::plan_diagnostic(&e)])))?;
-        tracing::info!(
-            tables = plan.tables.len(),
-            max_rank_perf_ms = plan.max_rank_perf,
-            inputs_hash = %plan.inputs_hash,
-            "sharding plan: every table on rank 0"
-        );
         tch::manual_seed(recipe.run.seed as i64);
 
         let mut feature_rows = BTreeMap::new();
@@ -153,6 +144,17 @@ impl Job {
         let model_factory =
             registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
         let model = model_factory.build(&vs.root(), &recipe.model.config(), &inputs)?;
+        // The planner's dense reservation counts this model's parameters (the same number
+        // validation got from a scratch copy, so a pinned plan's hash still matches).
+        let plan_input = trainrec_recipe::plan::plan_input(&recipe, crate::plan::dense_bytes_of(&vs));
+        let plan = crate::plan::recipe_plan(&plan_input, &recipe, &loaded.base_dir, false)
+            .map_err(|e| EngineError::Recipe(loaded.locate(vec![trainrec_recipe::plan::plan_diagnostic(&e)])))?;
+        tracing::info!(
+            tables = plan.tables.len(),
+            max_rank_perf_ms = plan.max_rank_perf,
+            inputs_hash = %plan.inputs_hash,
+            "sharding plan: every table on rank 0"
+        );
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
         Ok(Self {
             recipe,

@@ -28,6 +28,11 @@ pub fn dense_bytes(recipe: &Recipe, features: &FeatureSchema, registry: &Registr
     if built.is_err() {
         return 0;
     }
+    dense_bytes_of(&vs)
+}
+
+/// Parameter bytes × 6 of a model already built under `vs` (before its optimizer).
+pub fn dense_bytes_of(vs: &nn::VarStore) -> u64 {
     let bytes: u64 =
         vs.trainable_variables().iter().map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64).sum();
     bytes * DENSE_PARAMETER_MULTIPLIER

@@ -367,7 +367,7 @@ fn memory_balanced(
     // The memory the tables live in: HBM on CUDA (TorchRec's), DDR on CPU (where TorchRec's
     // HBM-only search has nothing to balance).
     let tier = |st: &Storage| if topo.compute_device == crate::types::ComputeDevice::Cuda { st.hbm } else { st.ddr };
-    let mut hbm_by_rank = vec![0u64; topo.world_size];
+    let mut tier_by_rank = vec![0u64; topo.world_size];
     let (mut total, mut max_shard) = (0u64, 0u64);
     let mut k = 0;
     for o in proposal {
@@ -375,12 +375,12 @@ fn memory_balanced(
             let r = default[k];
             k += 1;
             let bytes = tier(&s.storage);
-            hbm_by_rank[r] += bytes;
+            tier_by_rank[r] += bytes;
             total += bytes;
             max_shard = max_shard.max(bytes);
         }
     }
-    let mut hi = hbm_by_rank.iter().copied().max().unwrap_or(0);
+    let mut hi = tier_by_rank.iter().copied().max().unwrap_or(0);
     let mut lo = (total / topo.world_size as u64).max(max_shard);
     let mut best = default;
     let diff = 10 << 20;

@@ -366,16 +366,10 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 repeats: a.repeats,
                 seed: a.seed,
             };
-            match trainrec_metrics::bench::run(&bench) {
-                Ok(result) => {
-                    println!("{result}");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e} (--n, --batch, --window and --repeats must be > 0)");
-                    ExitCode::from(2)
-                }
-            }
+            print_bench(
+                trainrec_metrics::bench::run(&bench)
+                    .map_err(|e| format!("{e} (--n, --batch, --window and --repeats must be > 0)")),
+            )
         }
         Command::Bench { which: BenchCommand::Plan(a) } => {
             let bench = trainrec_planner::bench::PlanBench {
