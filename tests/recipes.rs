@@ -1,7 +1,6 @@
 //! Every shipped recipe, found recursively under `recipes/`, validates against the built-in
-//! registry (structure, plugin sections, cross-section rules).
+//! registry plus the example plugins (structure, plugin sections, cross-section rules).
 
-use trainrec::Registry;
 use trainrec::engine::load_and_check;
 use trainrec::recipe::LoadOptions;
 use trainrec_tests::{toml_files, workspace};
@@ -11,7 +10,7 @@ fn every_recipe_validates() {
     let files = toml_files(&workspace().join("recipes"));
     assert!(files.len() >= 2, "expected the shipped recipes, found {files:?}");
     assert!(files.iter().any(|f| f.parent() != Some(&workspace().join("recipes"))), "the sweep must reach subfolders");
-    let registry = Registry::builtin();
+    let registry = custom_trainrec::registry();
     let options = LoadOptions { overrides: vec![], env: false };
     let mut failures = Vec::new();
     for f in &files {

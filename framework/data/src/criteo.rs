@@ -4,16 +4,22 @@
 //! (C1..C26), tab separated; any feature may be empty. Dense features become
 //! `ln(1 + max(x, 0))` (missing: 0). A categorical value is parsed as hexadecimal (missing: 0)
 //! and hashed into its table by `value % rows`, as TorchRec's Criteo preprocessing does.
+//!
+//! The file is read by [`crate::stream`]: `num_workers` threads parse blocks of lines and the
+//! batches come out in file order whatever their number. With `world_size > 1` a rank reads
+//! the lines whose 0-based index is `rank` modulo `world_size` (of both splits); the eval split
+//! is a hash of (seed, 1-based line number), so it does not depend on the rank count.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{Batch, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split, hash_words};
+use crate::stream::{self, Batcher, RowBlock, Shard, TextChunk};
+use crate::{BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 
 /// Dense columns in the Criteo layout.
 pub const NUM_DENSE: usize = 13;
@@ -30,7 +36,8 @@ pub enum BadRowPolicy {
     Fail,
 }
 
-/// `[data.sampler]` with `kind = "criteo_tsv"`.
+/// The raw Criteo Kaggle / Terabyte TSV layout, streamed line by line. `[data.sampler]` with
+/// `kind = "criteo_tsv"`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CriteoTsvConfig {
@@ -47,6 +54,9 @@ pub struct CriteoTsvConfig {
     /// Read at most this many lines of the file.
     #[serde(default)]
     pub max_rows: Option<u64>,
+    /// Threads parsing the file (batches are the same for any number).
+    #[serde(default = "defaults::num_workers")]
+    pub num_workers: usize,
 }
 
 mod defaults {
@@ -56,16 +66,26 @@ mod defaults {
     pub fn on_bad_row() -> super::BadRowPolicy {
         super::BadRowPolicy::Skip
     }
+    pub fn num_workers() -> usize {
+        1
+    }
 }
 
 /// The Criteo TSV sampler.
 #[derive(Clone, Debug)]
 pub struct CriteoTsvSampler {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     config: CriteoTsvConfig,
     path: PathBuf,
     schema: FeatureSchema,
     rows: Vec<u64>,
     seed: u64,
+    shard: Shard,
+    chunk_bytes: usize,
 }
 
 /// One parsed example.
@@ -121,126 +141,87 @@ impl CriteoTsvSampler {
 
     /// Builds the sampler (checks the file can be opened).
     pub fn build(config: CriteoTsvConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
-        if !(0.0..1.0).contains(&config.eval_fraction) {
-            return Err(DataError::Config {
-                key: "eval_fraction".into(),
-                message: format!("eval_fraction must be in [0, 1), found {}", config.eval_fraction),
-            });
-        }
+        stream::check_fraction("eval_fraction", config.eval_fraction)?;
+        stream::check_workers(config.num_workers)?;
+        let shard = Shard::of(ctx)?;
         let path = ctx.base_dir.join(&config.path);
         File::open(&path).map_err(|source| DataError::Io { path: path.clone(), source })?;
         let schema = Self::feature_schema(&config);
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { config, path, schema, rows, seed: ctx.seed })
-    }
-
-    fn is_eval(&self, line: u64) -> bool {
-        let h = hash_words(&[self.seed, 0xC417E0, line]);
-        ((h >> 11) as f64 / (1u64 << 53) as f64) < self.config.eval_fraction
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                path,
+                schema,
+                rows,
+                seed: ctx.seed,
+                shard,
+                chunk_bytes: stream::TEXT_CHUNK_BYTES,
+            }),
+        })
     }
 }
 
-struct Reader {
-    sampler: CriteoTsvSampler,
-    lines: std::io::Lines<BufReader<File>>,
-    line_no: u64,
-    split: Split,
-    batch_size: usize,
-    skipped: u64,
-    done: bool,
-}
-
-impl Reader {
-    fn next_batch(&mut self) -> Option<Result<Batch, DataError>> {
-        if self.done {
-            return None;
-        }
-        let s = &self.sampler;
-        let mut labels = Vec::with_capacity(self.batch_size);
-        let mut dense = Vec::with_capacity(self.batch_size * NUM_DENSE);
-        let mut cats: Vec<[u64; NUM_SPARSE]> = Vec::with_capacity(self.batch_size);
-        while labels.len() < self.batch_size {
-            if s.config.max_rows.is_some_and(|m| self.line_no >= m) {
-                self.done = true;
+impl Inner {
+    /// Parses the lines of `chunk` that belong to this rank and `split`.
+    fn parse_chunk(&self, chunk: TextChunk, split: Split, stop: &AtomicBool) -> Result<RowBlock, DataError> {
+        let mut block = RowBlock::new(NUM_DENSE, 1, NUM_SPARSE, false);
+        let want_eval = split == Split::Eval;
+        for (line_no, raw) in chunk.lines() {
+            if self.config.max_rows.is_some_and(|m| line_no > m) || stop.load(Ordering::Relaxed) {
                 break;
             }
-            let Some(line) = self.lines.next() else {
-                self.done = true;
-                break;
-            };
-            self.line_no += 1;
-            let line = match line {
-                Ok(l) => l,
-                Err(source) => return Some(Err(DataError::Io { path: s.path.clone(), source })),
-            };
-            if s.is_eval(self.line_no) != (self.split == Split::Eval) {
+            if !self.shard.owns(line_no - 1)
+                || stream::is_eval_row(self.seed, line_no, self.config.eval_fraction) != want_eval
+            {
                 continue;
             }
-            match parse_line(&line) {
+            let parsed =
+                std::str::from_utf8(raw).map_err(|_| "line is not valid UTF-8".to_string()).and_then(parse_line);
+            match parsed {
                 Ok(row) => {
-                    labels.push(row.label);
-                    dense.extend_from_slice(&row.dense);
-                    cats.push(row.sparse);
-                }
-                Err(message) if s.config.on_bad_row == BadRowPolicy::Fail => {
-                    self.done = true;
-                    return Some(Err(DataError::BadRow { file: s.path.clone(), line: self.line_no, message }));
-                }
-                Err(message) => {
-                    self.skipped += 1;
-                    if self.skipped <= 5 {
-                        tracing::warn!("skipping bad row {}:{}: {message}", s.path.display(), self.line_no);
+                    block.labels.push(row.label);
+                    block.dense.extend_from_slice(&row.dense);
+                    for (f, bags) in block.bags.iter_mut().enumerate() {
+                        bags.push_one((row.sparse[f] % self.rows[f]) as i64);
                     }
+                    block.rows += 1;
                 }
+                Err(message) if self.config.on_bad_row == BadRowPolicy::Fail => {
+                    return Err(DataError::BadRow { file: self.path.clone(), line: line_no, message });
+                }
+                Err(message) => block.skip(|| format!("{}:{line_no}: {message}", self.path.display())),
             }
         }
-        if self.done && self.skipped > 0 {
-            tracing::warn!(skipped = self.skipped, "skipped malformed rows in {}", s.path.display());
-        }
-        let n = labels.len();
-        if n == 0 {
-            return None;
-        }
-        let mut values = Vec::with_capacity(n * NUM_SPARSE);
-        for f in 0..NUM_SPARSE {
-            values.extend(cats.iter().map(|c| (c[f] % s.rows[f]) as i64));
-        }
-        let sparse = KeyedJaggedTensor::new(s.schema.sparse.clone(), values, None, vec![1; n * NUM_SPARSE], n);
-        Some(sparse.map_err(DataError::from).map(|sparse| Batch {
-            dense,
-            num_dense: NUM_DENSE,
-            sparse,
-            labels,
-            batch_size: n,
-            groups: None,
-        }))
+        Ok(block)
     }
 }
 
 impl Sampler for CriteoTsvSampler {
     fn schema(&self) -> &FeatureSchema {
-        &self.schema
+        &self.inner.schema
     }
 
     /// Rows in file order (the file is chronological); `epoch` does not change the order.
     fn batches(&self, split: Split, _epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
-        let file = File::open(&self.path).map_err(|source| DataError::Io { path: self.path.clone(), source })?;
-        let mut reader = Reader {
-            sampler: self.clone(),
-            lines: BufReader::new(file).lines(),
-            line_no: 0,
-            split,
-            batch_size: batch_size.max(1),
-            skipped: 0,
-            done: false,
-        };
-        Ok(Box::new(std::iter::from_fn(move || reader.next_batch())))
+        let s = &self.inner;
+        let chunks = stream::text_chunks(&s.path, s.chunk_bytes, s.config.max_rows)?;
+        let inner = Arc::clone(&self.inner);
+        let blocks = stream::ordered_map(
+            chunks,
+            s.config.num_workers,
+            || (),
+            move |_, chunk, stop| inner.parse_chunk(chunk, split, stop),
+        );
+        let source = s.path.display().to_string();
+        Ok(Batcher::new(blocks, source, s.schema.sparse.clone(), NUM_DENSE, 1, false, batch_size).into_stream())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Batch;
     use std::path::Path;
 
     fn row(label: &str, dense: &[&str], cats: &[&str]) -> String {
@@ -255,18 +236,26 @@ mod tests {
             feature_rows: (1..=26).map(|i| (format!("C{i}"), rows)).collect(),
             base_dir: dir.to_path_buf(),
             seed: 3,
+            ..Default::default()
         }
     }
 
     fn temp_file(name: &str, text: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("trainrec-criteo-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("data.tsv"), text).unwrap();
         dir
     }
 
     fn config(policy: BadRowPolicy) -> CriteoTsvConfig {
-        CriteoTsvConfig { path: "data.tsv".into(), eval_fraction: 0.0, on_bad_row: policy, max_rows: None }
+        CriteoTsvConfig {
+            path: "data.tsv".into(),
+            eval_fraction: 0.0,
+            on_bad_row: policy,
+            max_rows: None,
+            num_workers: 1,
+        }
     }
 
     #[test]
@@ -309,6 +298,105 @@ mod tests {
         );
     }
 
+    impl CriteoTsvSampler {
+        fn with_chunk_bytes(mut self, n: usize) -> Self {
+            Arc::get_mut(&mut self.inner).unwrap().chunk_bytes = n;
+            self
+        }
+    }
+
+    /// A file of `n` valid rows; row `i` (0-based) has label `i % 2`, I1 = `i` and C1 = `i`.
+    fn numbered(name: &str, n: usize, bad_every: Option<usize>) -> PathBuf {
+        let text: String = (0..n)
+            .map(|i| {
+                if bad_every.is_some_and(|k| i % k == k - 1) {
+                    "bad line\n".to_string()
+                } else {
+                    row(&(i % 2).to_string(), &[&i.to_string()], &[&format!("{i:x}"), "7"]) + "\n"
+                }
+            })
+            .collect();
+        temp_file(name, &text)
+    }
+
+    fn c1_ids(s: &CriteoTsvSampler, split: Split, bs: usize) -> Vec<i64> {
+        let mut out = Vec::new();
+        for b in s.batches(split, 0, bs).unwrap() {
+            let b = b.unwrap();
+            assert!(b.batch_size <= bs);
+            out.extend_from_slice(b.sparse.feature(0).values);
+        }
+        out
+    }
+
+    #[test]
+    fn batches_do_not_depend_on_workers_or_chunking() {
+        let dir = numbered("workers", 2000, Some(97));
+        let cfg = |w| CriteoTsvConfig { eval_fraction: 0.2, num_workers: w, ..config(BadRowPolicy::Skip) };
+        let want: Vec<i64> =
+            (0..2000i64).filter(|i| i % 97 != 96 && !stream::is_eval_row(3, *i as u64 + 1, 0.2)).collect();
+        for (w, chunk) in [(1, 1 << 20), (1, 300), (2, 300), (4, 1000), (3, 1)] {
+            let s = CriteoTsvSampler::build(cfg(w), &ctx(&dir, 1 << 20)).unwrap().with_chunk_bytes(chunk);
+            assert_eq!(c1_ids(&s, Split::Train, 64), want, "workers={w} chunk={chunk}");
+            let eval = c1_ids(&s, Split::Eval, 1000);
+            assert_eq!(eval.len() + want.len(), 2000 - 2000 / 97);
+        }
+        // Batches are full except the last.
+        let s = CriteoTsvSampler::build(cfg(2), &ctx(&dir, 1 << 20)).unwrap().with_chunk_bytes(500);
+        let sizes: Vec<usize> = s.batches(Split::Train, 0, 100).unwrap().map(|b| b.unwrap().batch_size).collect();
+        assert!(sizes[..sizes.len() - 1].iter().all(|&n| n == 100));
+        assert_eq!(sizes.iter().sum::<usize>(), want.len());
+    }
+
+    #[test]
+    fn ranks_read_disjoint_line_shares() {
+        let dir = numbered("ranks", 1000, None);
+        let mut all = Vec::new();
+        for rank in 0..3 {
+            let c = SamplerContext { rank, world_size: 3, ..ctx(&dir, 1 << 20) };
+            let s = CriteoTsvSampler::build(CriteoTsvConfig { num_workers: 2, ..config(BadRowPolicy::Fail) }, &c)
+                .unwrap()
+                .with_chunk_bytes(700);
+            let ids = c1_ids(&s, Split::Train, 50);
+            assert!(ids.iter().all(|&i| i % 3 == rank as i64), "rank {rank} reads lines with index % 3 == rank");
+            assert_eq!(ids.len(), (1000 + 2 - rank) / 3);
+            all.extend(ids);
+        }
+        all.sort();
+        assert_eq!(all, (0..1000).collect::<Vec<i64>>());
+        let bad = SamplerContext { rank: 3, world_size: 3, ..ctx(&dir, 10) };
+        assert!(CriteoTsvSampler::build(config(BadRowPolicy::Fail), &bad).is_err());
+    }
+
+    #[test]
+    fn max_rows_and_early_drop() {
+        let dir = numbered("take", 5000, None);
+        let cfg = CriteoTsvConfig { max_rows: Some(1234), num_workers: 3, ..config(BadRowPolicy::Fail) };
+        let s = CriteoTsvSampler::build(cfg, &ctx(&dir, 1 << 20)).unwrap().with_chunk_bytes(256);
+        assert_eq!(c1_ids(&s, Split::Train, 100), (0..1234).collect::<Vec<i64>>());
+        let cfg = CriteoTsvConfig { num_workers: 4, ..config(BadRowPolicy::Fail) };
+        let s = CriteoTsvSampler::build(cfg, &ctx(&dir, 1 << 20)).unwrap().with_chunk_bytes(128);
+        for _ in 0..20 {
+            let first: Vec<Batch> = s.batches(Split::Train, 0, 7).unwrap().take(2).map(Result::unwrap).collect();
+            assert_eq!(first[1].sparse.feature(0).values, &[7, 8, 9, 10, 11, 12, 13]);
+        }
+    }
+
+    #[test]
+    fn fail_reports_the_first_bad_line_whatever_the_workers() {
+        let dir = numbered("failorder", 3000, Some(1001));
+        for w in [1, 2, 5] {
+            let cfg = CriteoTsvConfig { num_workers: w, ..config(BadRowPolicy::Fail) };
+            let s = CriteoTsvSampler::build(cfg, &ctx(&dir, 10)).unwrap().with_chunk_bytes(200);
+            let results: Vec<Result<Batch, DataError>> = s.batches(Split::Train, 0, 64).unwrap().collect();
+            let rows_before: usize = results.iter().filter_map(|r| r.as_ref().ok()).map(|b| b.batch_size).sum();
+            let err = results.last().unwrap().as_ref().unwrap_err().to_string();
+            assert!(err.contains("data.tsv:1001: expected 40"), "{err}");
+            // Every row before the bad line's chunk came out first.
+            assert!((1000 - 64..=1000).contains(&rows_before), "{rows_before}");
+        }
+    }
+
     #[test]
     fn real_criteo_sample() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/criteo-kaggle-sample");
@@ -322,6 +410,7 @@ mod tests {
             eval_fraction: 0.1,
             on_bad_row: BadRowPolicy::Fail,
             max_rows: None,
+            num_workers: 2,
         };
         let s = CriteoTsvSampler::build(cfg, &ctx(&dir, 1000)).unwrap();
         let count = |split| {

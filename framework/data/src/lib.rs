@@ -1,14 +1,34 @@
-//! Samplers: the [`Sampler`] trait and the built-in data sources, [`SyntheticSampler`]
-//! (Criteo-like data with a planted signal, generated on the fly) and [`CriteoTsvSampler`]
-//! (the raw Criteo Kaggle / 1TB layout).
+//! Samplers: the [`Sampler`] trait and the built-in data sources:
+//!
+//! - [`SyntheticSampler`]: Criteo-like data with a planted signal, generated on the fly;
+//! - [`CriteoTsvSampler`]: the raw Criteo Kaggle / 1TB layout;
+//! - [`CriteoBinarySampler`]: TorchRec's preprocessed binary (`.npy`) Criteo layout, with
+//!   [`criteo_binary::convert_tsv`] to produce it;
+//! - [`MovieLensSampler`]: MovieLens ratings (`u.data`, `ratings.csv`, `ratings.dat`);
+//! - [`ParquetSampler`]: columns of Parquet files mapped to dense, sparse and label inputs.
+//!
+//! The file samplers read through [`stream`]: worker threads parse fixed chunks (blocks of
+//! lines, row ranges, row groups) into a bounded queue and the batch iterator reassembles them
+//! in chunk order, so batches do not depend on `num_workers`. [`bench::bench_readers`]
+//! measures their throughput.
 
+pub mod bench;
 pub mod criteo;
+pub mod criteo_binary;
+pub mod movielens;
+pub mod npy;
+pub mod parquet;
+pub mod stream;
 pub mod synthetic;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+pub use crate::parquet::{ParquetConfig, ParquetSampler};
+pub use bench::{BenchOptions, BenchReport, BenchResult, bench_readers};
 pub use criteo::{BadRowPolicy, CriteoTsvConfig, CriteoTsvSampler};
+pub use criteo_binary::{CriteoBinaryConfig, CriteoBinarySampler};
+pub use movielens::{MovieLensConfig, MovieLensFormat, MovieLensLabel, MovieLensSampler, MovieLensSplit};
 pub use synthetic::{IdDistribution, SyntheticConfig, SyntheticSampler};
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -21,8 +41,10 @@ pub struct Batch {
     pub num_dense: usize,
     /// Sparse features, keys in the sampler's [`FeatureSchema::sparse`] order.
     pub sparse: KeyedJaggedTensor,
-    /// Labels (0 or 1), `[batch_size, labels]` row-major: one per example and label column of
-    /// [`FeatureSchema::labels`] (so one per example for a single-label sampler).
+    /// Labels, `[batch_size, labels]` row-major: one per example and label column of
+    /// [`FeatureSchema::labels`] (so one per example for a single-label sampler). 0 or 1 for a
+    /// click label; a regression target (MovieLens' `label = "scaled"`, a Parquet column) may be
+    /// any finite value.
     pub labels: Vec<f32>,
     /// Examples in this batch (the last batch of a split may be smaller).
     pub batch_size: usize,
@@ -65,6 +87,11 @@ pub struct SamplerContext {
     pub base_dir: PathBuf,
     /// The run's seed.
     pub seed: u64,
+    /// This process's rank: a streaming sampler reads only its share of the data (the rows or
+    /// row groups whose index is `rank` modulo `world_size`).
+    pub rank: usize,
+    /// Ranks reading the data together (1 for a single-process job; 0 is read as 1).
+    pub world_size: usize,
 }
 
 impl SamplerContext {
@@ -106,7 +133,7 @@ pub enum DataError {
         message: String,
     },
     /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {}: {source}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
@@ -114,7 +141,7 @@ pub enum DataError {
         source: std::io::Error,
     },
     /// A malformed input row.
-    #[error("{file}:{line}: {message}")]
+    #[error("{}:{line}: {message}", file.display())]
     BadRow {
         /// The file.
         file: PathBuf,
@@ -123,9 +150,43 @@ pub enum DataError {
         /// What is wrong with the row.
         message: String,
     },
+    /// A malformed record of a binary or columnar file (a `.npy` row, a Parquet row).
+    #[error("{}: {location}: {message}", file.display())]
+    BadRecord {
+        /// The file.
+        file: PathBuf,
+        /// Where in the file, for example `row 17` or `row group 2, row 5`.
+        location: String,
+        /// What is wrong with the record.
+        message: String,
+    },
+    /// A file is not in the expected format (bad `.npy` header, unreadable Parquet footer,
+    /// a column of the wrong type).
+    #[error("{}: {message}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A reader thread stopped without a result (it panicked).
+    #[error("data reader thread failed: {0}")]
+    Reader(String),
     /// A batch could not be assembled.
     #[error("{0}")]
     Sparse(#[from] trainrec_sparse::SparseError),
+}
+
+impl DataError {
+    /// A [`DataError::Config`] for `key`.
+    pub fn config(key: impl Into<String>, message: impl Into<String>) -> Self {
+        DataError::Config { key: key.into(), message: message.into() }
+    }
+
+    /// A [`DataError::Io`] for `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        DataError::Io { path: path.into(), source }
+    }
 }
 
 /// SplitMix64: a fast, well-mixed 64-bit hash used for deterministic per-batch seeds and

@@ -24,7 +24,8 @@ pub enum IdDistribution {
     Zipf,
 }
 
-/// `[data.sampler]` with `kind = "synthetic"`.
+/// Criteo-like batches generated on the fly with a planted, learnable signal. `[data.sampler]`
+/// with `kind = "synthetic"`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SyntheticConfig {

@@ -77,7 +77,18 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
             // Every declared task needs a logit, even one whose label column is unknown.
             let num_tasks = if recipe.tasks.is_empty() { features.labels.len() } else { recipe.tasks.len() };
             let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
-            problems.extend(factory.check(&recipe.model.config(), &inputs));
+            let model_checks = factory.check(&recipe.model.config(), &inputs);
+            let ranks = recipe.metrics.iter().any(|m| matches!(m, trainrec_recipe::MetricSection::RecallAtK { .. }));
+            if model_checks.is_empty() && ranks {
+                // Retrieval metrics need a model that embeds candidates apart: ask a scratch copy.
+                let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+                if let Ok(model) = tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs)) {
+                    if let Err(d) = crate::job::retrieval_spec(recipe, model.as_ref()) {
+                        problems.push(d);
+                    }
+                }
+            }
+            problems.extend(model_checks);
         }
     }
     problems.extend(model_problems);

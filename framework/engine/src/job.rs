@@ -17,7 +17,7 @@ use trainrec_metrics::{
     AucMetric, AuprcMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SessionMetric, SessionMetricKind,
     SplitAuprc, SumMetric, SumMetricKind, TaskBatch, ThroughputMetric,
 };
-use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
+use trainrec_models::{DenseModel, DenseOptimizer, LossInput, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
 use crate::check::sparse_outputs;
@@ -59,6 +59,86 @@ pub struct Job {
     plugin_metrics: BTreeMap<String, std::sync::Arc<dyn crate::registry::MetricFactory>>,
     /// The sharding plan (written to the run directory as `plan.json`).
     plan: trainrec_planner::Plan,
+    /// What `recall_at_k` ranks, when the recipe asks for it.
+    retrieval: Option<RetrievalSpec>,
+}
+
+/// The corpus and cut-offs of a `recall_at_k` metric.
+pub(crate) struct RetrievalSpec {
+    /// The candidate's input feature (KJT key) and its table's rows: the corpus is ids
+    /// `0..rows`.
+    input: String,
+    rows: u64,
+    /// Cut-offs.
+    ks: Vec<usize>,
+}
+
+/// Recall@k over the eval split: per positive pair, is its candidate among the top k of the
+/// corpus for its query.
+struct RecallAtK {
+    corpus: Tensor,
+    input: String,
+    ks: Vec<usize>,
+    hits: Vec<u64>,
+    pairs: u64,
+}
+
+impl RecallAtK {
+    fn new(spec: &RetrievalSpec, corpus: Tensor) -> Self {
+        Self { corpus, input: spec.input.clone(), ks: spec.ks.clone(), hits: vec![0; spec.ks.len()], pairs: 0 }
+    }
+
+    fn update(
+        &mut self,
+        retrieval: &dyn trainrec_models::Retrieval,
+        dense: &Tensor,
+        sparse: &Tensor,
+        labels: &Tensor,
+        batch: &Batch,
+    ) -> Result<(), EngineError> {
+        let Some(k) = batch.sparse.key_index(&self.input) else {
+            return Err(EngineError::Internal(format!("eval batch lacks feature {}", self.input)));
+        };
+        let f = batch.sparse.feature(k);
+        let y: Vec<f32> = Vec::try_from(labels.select(1, 0).contiguous())
+            .map_err(|e| EngineError::Internal(format!("labels: {e}")))?;
+        // Positive pairs whose candidate is one id.
+        let (rows, truth): (Vec<i64>, Vec<i64>) = (0..batch.batch_size)
+            .filter(|&i| y[i] > 0.5 && f.bag(i).len() == 1)
+            .map(|i| (i as i64, f.bag(i)[0]))
+            .unzip();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let rows_t = Tensor::from_slice(&rows);
+        let kmax = (*self.ks.iter().max().unwrap_or(&1) as i64).min(self.corpus.size()[0]);
+        let top = tch::no_grad(|| {
+            let q = retrieval.query_embeddings(&dense.index_select(0, &rows_t), &sparse.index_select(0, &rows_t));
+            q.matmul(&self.corpus.transpose(0, 1)).topk(kmax, 1, true, true).1
+        });
+        let top: Vec<i64> =
+            Vec::try_from(top.contiguous().view([-1])).map_err(|e| EngineError::Internal(format!("top-k: {e}")))?;
+        for (i, &t) in truth.iter().enumerate() {
+            let ranked = &top[i * kmax as usize..(i + 1) * kmax as usize];
+            if let Some(rank) = ranked.iter().position(|&c| c == t) {
+                for (h, &k) in self.hits.iter_mut().zip(&self.ks) {
+                    if rank < k {
+                        *h += 1;
+                    }
+                }
+            }
+        }
+        self.pairs += truth.len() as u64;
+        Ok(())
+    }
+
+    fn compute(&self) -> Vec<(String, f64)> {
+        self.ks
+            .iter()
+            .zip(&self.hits)
+            .map(|(k, &h)| (format!("recall_at_{k}"), if self.pairs == 0 { 0.0 } else { h as f64 / self.pairs as f64 }))
+            .collect()
+    }
 }
 
 /// Sets libtorch's and the embedding kernels' thread counts.
@@ -106,7 +186,13 @@ impl Job {
         let kind = recipe.data.sampler.kind().unwrap_or_default();
         let factory =
             registry.sampler_for(kind).ok_or_else(|| EngineError::Internal(format!("sampler {kind} vanished")))?;
-        let ctx = SamplerContext { feature_rows, base_dir: loaded.base_dir.clone(), seed: recipe.run.seed };
+        let ctx = SamplerContext {
+            feature_rows,
+            base_dir: loaded.base_dir.clone(),
+            seed: recipe.run.seed,
+            rank: 0,
+            world_size: 1,
+        };
         let sampler = factory.build(&recipe.data.sampler.config(), &ctx)?;
 
         let tables = recipe
@@ -155,6 +241,8 @@ impl Job {
             inputs_hash = %plan.inputs_hash,
             "sharding plan: every table on rank 0"
         );
+        let retrieval =
+            retrieval_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
         Ok(Self {
             recipe,
@@ -169,6 +257,7 @@ impl Job {
             num_labels: features.labels.len(),
             plugin_metrics,
             plan,
+            retrieval,
         })
     }
 
@@ -221,10 +310,21 @@ impl Job {
     ) -> Result<(f64, Option<Vec<f32>>), EngineError> {
         let (dense, sparse, labels) = self.tensors(batch)?;
         let sparse = sparse.set_requires_grad(true);
-        let logits = self.model.forward(&dense, &sparse, true);
-        // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
-        let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean)
-            * self.tasks.len() as f64;
+        let input = LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &batch.sparse };
+        let (loss, logits) = match self.model.loss(&input) {
+            // The model's own objective; predictions (for training metrics) are its scores.
+            Some(loss) => {
+                let logits = want_predictions.then(|| tch::no_grad(|| self.model.forward(&dense, &sparse, true)));
+                (loss, logits)
+            }
+            None => {
+                let logits = self.model.forward(&dense, &sparse, true);
+                // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
+                let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean)
+                    * self.tasks.len() as f64;
+                (loss, Some(logits))
+            }
+        };
         self.dense_opt.zero_grad();
         loss.backward();
         self.dense_opt.step();
@@ -232,11 +332,12 @@ impl Job {
         let grad: Vec<f32> =
             Vec::try_from(&grad).map_err(|e| EngineError::Internal(format!("embedding gradient: {e}")))?;
         self.ebc.backward_and_update(&batch.sparse, &grad)?;
-        let predictions = if want_predictions {
-            let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
-            Some(Vec::try_from(&p).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?)
-        } else {
-            None
+        let predictions = match logits {
+            Some(logits) if want_predictions => {
+                let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
+                Some(Vec::try_from(&p).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?)
+            }
+            _ => None,
         };
         Ok((loss.double_value(&[]), predictions))
     }
@@ -248,19 +349,58 @@ impl Job {
         let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
         let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
         let mut seen = 0u64;
+        let mut recall = match &self.retrieval {
+            Some(r) => Some(RecallAtK::new(r, self.corpus_embeddings(r)?)),
+            None => None,
+        };
         for batch in self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize) {
             let batch = batch?;
-            let (dense, sparse, _) = self.tensors(&batch)?;
+            let (dense, sparse, labels) = self.tensors(&batch)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
             self.feed(&mut suites, &probs, &batch)?;
+            if let Some(recall) = &mut recall {
+                let retrieval =
+                    self.model.retrieval().ok_or_else(|| EngineError::Internal("retrieval vanished".into()))?;
+                recall.update(retrieval, &dense, &sparse, &labels, &batch)?;
+            }
             seen += batch.batch_size as u64;
         }
         if seen == 0 {
             return Err(EngineError::EmptySplit("eval"));
         }
-        Ok(self.values(&suites))
+        let mut values = self.values(&suites);
+        if let Some(recall) = recall {
+            values.extend(recall.compute());
+        }
+        Ok(values)
+    }
+
+    /// Every candidate of the corpus embedded by the candidate tower: `[rows, d]`, row `r` the
+    /// candidate whose id is `r`.
+    fn corpus_embeddings(&self, spec: &RetrievalSpec) -> Result<Tensor, EngineError> {
+        let retrieval = self.model.retrieval().ok_or_else(|| EngineError::Internal("retrieval vanished".into()))?;
+        let keys = self.sampler.schema().sparse.clone();
+        let k = keys.iter().position(|f| *f == spec.input).ok_or_else(|| {
+            EngineError::Internal(format!("candidate feature {} is not a sampler feature", spec.input))
+        })?;
+        const CHUNK: u64 = 16_384;
+        let mut parts = Vec::new();
+        let mut start = 0u64;
+        while start < spec.rows {
+            let n = CHUNK.min(spec.rows - start) as usize;
+            let mut lengths = vec![0u32; keys.len() * n];
+            lengths[k * n..(k + 1) * n].fill(1);
+            let values: Vec<i64> = (start as i64..(start as usize + n) as i64).collect();
+            let kjt = trainrec_sparse::KeyedJaggedTensor::new(keys.clone(), values, None, lengths, n)
+                .map_err(|e| EngineError::Data(e.into()))?;
+            let pooled = self.ebc.forward(&kjt)?;
+            let sparse = Tensor::from_slice(pooled.values()).f_view([n as i64, pooled.width() as i64])?;
+            parts.push(tch::no_grad(|| retrieval.candidate_embeddings(&sparse)));
+            start += n as u64;
+        }
+        Ok(Tensor::cat(&parts, 0))
     }
 
     /// A fresh suite of the recipe's metrics. With `window: None`, for an evaluation: lifetime
@@ -272,6 +412,8 @@ impl Job {
             .recipe
             .metrics
             .iter()
+            // Retrieval recall ranks the corpus at evaluation; it is not a per-prediction metric.
+            .filter(|m| !matches!(m, MetricSection::RecallAtK { .. }))
             .map(|m| -> Result<Box<dyn Metric>, EngineError> {
                 Ok(match (m, window) {
                     (MetricSection::Ne { include_logloss }, None) => Box::new(NeMetric::new(*include_logloss)),
@@ -456,6 +598,45 @@ impl Job {
             output_dir: out_dir,
         })
     }
+}
+
+/// The corpus of a recipe's `recall_at_k`, or why the model cannot be ranked that way.
+pub(crate) fn retrieval_spec(
+    recipe: &Recipe,
+    model: &dyn DenseModel,
+) -> Result<Option<RetrievalSpec>, trainrec_recipe::Diagnostic> {
+    let Some((i, ks)) = recipe.metrics.iter().enumerate().find_map(|(i, m)| match m {
+        MetricSection::RecallAtK { k } => Some((i, k.clone())),
+        _ => None,
+    }) else {
+        return Ok(None);
+    };
+    let at = trainrec_recipe::KeyPath::root().key("metrics").index(i).key("kind");
+    let kind = recipe.model.kind().unwrap_or_default();
+    let Some(retrieval) = model.retrieval() else {
+        return Err(trainrec_recipe::Diagnostic::new(
+            at,
+            format!("recall_at_k ranks candidates for queries; model {kind} does not embed them apart"),
+        )
+        .with_help("use a retrieval model such as kind = \"two_tower\", or drop this metric"));
+    };
+    let [feature] = retrieval.candidate_features() else {
+        return Err(trainrec_recipe::Diagnostic::new(
+            at,
+            format!(
+                "recall_at_k ranks every row of one candidate table; the model has {} candidate features",
+                retrieval.candidate_features().len()
+            ),
+        )
+        .with_help("list exactly one feature in model.candidate_features"));
+    };
+    let rows = recipe
+        .tables
+        .iter()
+        .find(|t| t.features.iter().any(|f| f == feature))
+        .map(|t| t.rows)
+        .ok_or_else(|| trainrec_recipe::Diagnostic::new(at.clone(), format!("no table looks up {feature}")))?;
+    Ok(Some(RetrievalSpec { input: FeatureRef::parse(feature).input.to_owned(), rows, ks }))
 }
 
 fn human(x: f64) -> String {

@@ -5,9 +5,12 @@ pub mod error;
 pub mod job;
 pub mod plan;
 pub mod reference;
-pub mod registry;
+/// The registry lives in the plugin crate (plugin authors depend on that crate alone).
+pub use trainrec_plugin::registry;
 
 pub use check::{check_loaded, load_and_check};
 pub use error::EngineError;
 pub use job::{Job, RunSummary, configure_threads};
-pub use registry::{MetricFactory, Registry, SamplerFactory, TypedMetric, TypedSampler};
+pub use trainrec_plugin::{
+    MetricFactory, Registry, RegistryError, SamplerFactory, TypedMetric, TypedModel, TypedSampler,
+};

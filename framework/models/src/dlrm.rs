@@ -4,18 +4,21 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn, nn::Module};
-use trainrec_recipe::{Diagnostic, KeyPath};
+use trainrec_recipe::Diagnostic;
 
+use crate::mlp::{self, mlp};
 use crate::{DenseModel, ModelError, ModelFactory, ModelInputs};
 
-/// `[model]` with `kind = "dlrm"`.
+/// DLRM as TorchRec builds it: a dense-arch MLP, pairwise dot interactions with every pooled
+/// embedding, and an over-arch MLP. `[model]` with `kind = "dlrm"`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DlrmConfig {
     /// Layer sizes of the dense-arch MLP over the dense features (ReLU after each). The last
     /// size must equal the embedding dim of every table.
     pub dense_arch: Vec<usize>,
-    /// Layer sizes of the over-arch MLP (ReLU after each but the last). The last size must be 1.
+    /// Layer sizes of the over-arch MLP (ReLU after each but the last). The last size must equal
+    /// the number of tasks (1 for a single task): one logit per task.
     pub over_arch: Vec<usize>,
 }
 
@@ -26,19 +29,6 @@ pub struct Dlrm {
     num_sparse: i64,
     dim: i64,
     triu: (Tensor, Tensor),
-}
-
-fn mlp(vs: &nn::Path, input: usize, sizes: &[usize], relu_last: bool) -> nn::Sequential {
-    let mut seq = nn::seq();
-    let mut prev = input as i64;
-    for (i, &size) in sizes.iter().enumerate() {
-        seq = seq.add(nn::linear(vs / format!("layer{i}"), prev, size as i64, Default::default()));
-        if relu_last || i + 1 < sizes.len() {
-            seq = seq.add_fn(|x| x.relu());
-        }
-        prev = size as i64;
-    }
-    seq
 }
 
 impl Dlrm {
@@ -84,49 +74,17 @@ impl ModelFactory for DlrmFactory {
     }
 
     fn check(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
-        let model = KeyPath::root().key("model");
         let Ok(cfg) = serde_json::from_value::<DlrmConfig>(config.clone()) else {
             return Vec::new(); // structural problems are reported by the schema check
         };
         let mut out = Vec::new();
-        for (key, sizes) in [("dense_arch", &cfg.dense_arch), ("over_arch", &cfg.over_arch)] {
-            if sizes.is_empty() {
-                out.push(Diagnostic::new(model.key(key), format!("{key} needs at least one layer")));
-            }
-            for (i, &s) in sizes.iter().enumerate() {
-                if s == 0 {
-                    out.push(Diagnostic::new(model.key(key).index(i), "layer sizes must be positive"));
-                }
-            }
-        }
-        let tasks = inputs.num_tasks;
-        if cfg.over_arch.last().is_some_and(|&s| s != tasks) {
-            let i = cfg.over_arch.len() - 1;
-            let what = if tasks == 1 { "1 (one logit)".to_owned() } else { format!("{tasks} (one logit per task)") };
-            out.push(
-                Diagnostic::new(
-                    model.key("over_arch").index(i),
-                    format!("the last over_arch layer must have size {what}, found {}", cfg.over_arch[i]),
-                )
-                .with_help(format!("end over_arch with {tasks}")),
-            );
-        }
+        mlp::check_layer_sizes("dense_arch", &cfg.dense_arch, 1, None, &mut out);
+        mlp::check_layer_sizes("over_arch", &cfg.over_arch, 1, None, &mut out);
+        mlp::check_last_is_num_tasks("over_arch", &cfg.over_arch, inputs.num_tasks, &mut out);
         if let Some(&dim) = cfg.dense_arch.last() {
-            for ((name, d), key) in inputs.sparse.iter().zip(&inputs.sparse_dim_keys) {
-                if *d != dim {
-                    out.push(
-                        Diagnostic::new(key.clone(), format!("DLRM needs every embedding dim to equal the last dense_arch size ({dim}); feature \"{name}\" has dim {d}"))
-                            .with_help(format!("set this table's dim to {dim}, or end model.dense_arch with {d}")),
-                    );
-                }
-            }
+            mlp::check_dims_match_dense_arch("DLRM", dim, inputs, &mut out);
         }
-        if inputs.num_dense == 0 {
-            out.push(Diagnostic::new(
-                model.clone(),
-                "DLRM needs at least one dense feature; the sampler produces none",
-            ));
-        }
+        mlp::check_has_dense("DLRM", inputs, &mut out);
         out
     }
 
@@ -140,8 +98,7 @@ impl ModelFactory for DlrmFactory {
         if !problems.is_empty() {
             return Err(ModelError::Config(problems));
         }
-        let cfg: DlrmConfig = serde_json::from_value(config.clone())
-            .map_err(|e| ModelError::Config(vec![Diagnostic::new(KeyPath::root().key("model"), e.to_string())]))?;
+        let cfg: DlrmConfig = mlp::parse(config)?;
         Ok(Box::new(Dlrm::new(vs, &cfg, inputs.num_dense, inputs.sparse.len())))
     }
 }
@@ -149,6 +106,7 @@ impl ModelFactory for DlrmFactory {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use trainrec_recipe::KeyPath;
 
     fn inputs(dims: &[usize]) -> ModelInputs {
         ModelInputs {

@@ -1,14 +1,22 @@
-//! Dense model parts built with tch: the model factory trait, DLRM, and dense optimizers.
+//! Dense model parts built with tch: the model factory trait, DLRM, DLRM-DCN, DeepFM, and dense
+//! optimizers.
 //!
 //! Embedding tables are not tch parameters: a model receives the pooled embeddings as a leaf
 //! tensor `[batch, sum(dims)]` and the engine feeds that tensor's gradient to the fused sparse
 //! update.
 
+pub mod deepfm;
 pub mod dlrm;
+pub mod dlrm_dcn;
+mod mlp;
 pub mod optim;
+pub mod two_tower;
 
+pub use deepfm::{DeepFm, DeepFmConfig, DeepFmFactory};
 pub use dlrm::{Dlrm, DlrmConfig, DlrmFactory};
+pub use dlrm_dcn::{DlrmDcn, DlrmDcnConfig, DlrmDcnFactory};
 pub use optim::DenseOptimizer;
+pub use two_tower::{TwoTower, TwoTowerConfig, TwoTowerFactory};
 
 use tch::{Tensor, nn};
 use trainrec_recipe::{Diagnostic, KeyPath};
@@ -43,6 +51,44 @@ pub trait DenseModel: Send {
     /// Logits `[batch, num_tasks]` from dense features `[batch, num_dense]` and pooled
     /// embeddings `[batch, sum(dims)]`.
     fn forward(&self, dense: &Tensor, sparse: &Tensor, train: bool) -> Tensor;
+
+    /// The model's own training objective for a batch, a scalar to minimise (for example the
+    /// two-tower model's in-batch softmax). `None`, the default, trains [`DenseModel::forward`]'s
+    /// logits with binary cross entropy against the labels.
+    fn loss(&mut self, _input: &LossInput<'_>) -> Option<Tensor> {
+        None
+    }
+
+    /// The model as a retrieval model (query and candidate embedded apart), when it is one;
+    /// retrieval metrics (`recall_at_k`) need it.
+    fn retrieval(&self) -> Option<&dyn Retrieval> {
+        None
+    }
+}
+
+/// What [`DenseModel::loss`] sees of a training batch.
+pub struct LossInput<'a> {
+    /// Dense features `[batch, num_dense]`.
+    pub dense: &'a Tensor,
+    /// Pooled embeddings `[batch, sum(dims)]` (the leaf the embedding gradient is read from).
+    pub sparse: &'a Tensor,
+    /// Labels `[batch, num_tasks]`.
+    pub labels: &'a Tensor,
+    /// The batch's ids, for objectives that need them (sampling-bias correction, masking
+    /// repeated candidates).
+    pub ids: &'a trainrec_sparse::KeyedJaggedTensor,
+}
+
+/// A model that embeds queries and candidates separately, so candidates can be ranked for a
+/// query by a dot product.
+pub trait Retrieval {
+    /// The pooled outputs (names of [`ModelInputs::sparse`]) that make up a candidate.
+    fn candidate_features(&self) -> &[String];
+    /// Query embeddings `[batch, d]` from a batch's dense features and pooled embeddings.
+    fn query_embeddings(&self, dense: &Tensor, sparse: &Tensor) -> Tensor;
+    /// Candidate embeddings `[n, d]` from pooled embeddings `[n, sum(dims)]` (only the
+    /// candidate features' columns are read).
+    fn candidate_embeddings(&self, sparse: &Tensor) -> Tensor;
 }
 
 /// Builds a dense model from its recipe section (`[model]`, `kind` removed).

@@ -416,6 +416,14 @@ pub enum MetricSection {
         #[serde(default)]
         run_ranking_of_labels: bool,
     },
+    /// Retrieval recall@k, for models that embed queries and candidates apart (`two_tower`):
+    /// for every positive eval pair, every candidate of the corpus (each row of the candidate
+    /// feature's table) is scored against the query, and the pair counts as recalled when its
+    /// own candidate is among the top `k`. Reported as `recall_at_<k>` for each `k`. Eval only.
+    RecallAtK {
+        /// The cut-offs, e.g. `[10, 50]`.
+        k: Vec<usize>,
+    },
     /// Area under the precision-recall curve (TorchRec's step-wise definition), exact over
     /// the eval split.
     Auprc {},

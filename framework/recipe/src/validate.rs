@@ -248,6 +248,18 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             MetricSection::RecallSession { top_threshold: 0, .. } => {
                 out.push(Diagnostic::new(at.key("top_threshold"), "top_threshold must be at least 1"));
             }
+            MetricSection::RecallAtK { k } => {
+                if k.is_empty() {
+                    out.push(
+                        Diagnostic::new(at.key("k"), "k needs at least one cut-off").with_help("e.g. k = [10, 50]"),
+                    );
+                }
+                for (j, &kk) in k.iter().enumerate() {
+                    if kk == 0 {
+                        out.push(Diagnostic::new(at.key("k").index(j), "a cut-off must be at least 1"));
+                    }
+                }
+            }
             _ => {}
         }
     }

@@ -79,6 +79,8 @@ pub enum Command {
     },
     /// Print the recipe reference (Markdown) generated from the schema.
     Reference,
+    /// List the registered samplers, models and plugin metrics with one-line docs.
+    List,
     /// Render PNG plots of every metric of a run over its steps into `RUN_DIR/plots/`.
     Report {
         /// A run directory written by `trainrec run` (holding `metrics.jsonl`).
@@ -95,6 +97,9 @@ pub enum Command {
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// Reader throughput: rows/s of the `criteo_tsv`, `criteo_binary` and `parquet` samplers
+    /// at each worker count, on generated data.
+    Data(DataArgs),
     /// W1: pooled EBC train step (forward + fused backward/update), the flags of
     /// `bench/anchors/w1_ebc_train.py`.
     Ebc(EbcArgs),
@@ -179,6 +184,23 @@ pub struct PlanArgs {
     /// Skip the refinement pass (TorchRec's search exactly).
     #[arg(long)]
     pub no_refine: bool,
+}
+
+/// Flags of `trainrec bench data`.
+#[derive(Debug, clap::Args)]
+pub struct DataArgs {
+    /// Rows of synthetic Criteo-like data written to a temporary directory (then deleted).
+    #[arg(long, default_value_t = 200_000)]
+    pub rows: usize,
+    /// Worker counts to measure each reader with (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub workers: Vec<usize>,
+    /// Batch size of the passes.
+    #[arg(long, default_value_t = 4096)]
+    pub batch: usize,
+    /// Rows per Parquet row group.
+    #[arg(long, default_value_t = 16_384)]
+    pub row_group_rows: usize,
 }
 
 /// Flags of `trainrec bench metrics`.
@@ -334,7 +356,15 @@ fn init_tracing(level: Option<&str>) {
 pub fn main_with(registry: Registry) -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_level.as_deref());
+    if let Err(e) = registry.validate() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     match cli.command {
+        Command::List => {
+            print!("{}", list(&registry));
+            ExitCode::SUCCESS
+        }
         Command::Run { recipe, overrides } => run(&registry, &recipe, &overrides.options()),
         Command::Validate { recipes, overrides } => validate(&registry, &recipes, &overrides.options()),
         Command::Plan { recipe, world_size, out, overrides } => {
@@ -393,8 +423,41 @@ pub fn main_with(registry: Registry) -> ExitCode {
             };
             print_bench(trainrec_planner::bench::run(&bench))
         }
+        Command::Bench { which: BenchCommand::Data(a) } => {
+            let options = trainrec_data::BenchOptions {
+                rows: a.rows,
+                workers: a.workers,
+                batch_size: a.batch,
+                row_group_rows: a.row_group_rows,
+                dir: None,
+            };
+            print_bench(trainrec_data::bench_readers(&options).map(|r| r.to_json()))
+        }
         Command::Bench { which: BenchCommand::Ebc(args) } => print_bench(trainrec_embedding::bench::run(&args.bench())),
     }
+}
+
+/// `trainrec list`: the registered plugins by kind, each with its config's first doc sentence.
+pub fn list(registry: &Registry) -> String {
+    let entries = registry.entries();
+    let width = entries.iter().map(|e| e.name.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for (kind, title, how) in [
+        (trainrec_plugin::PluginKind::Sampler, "samplers", "[data.sampler] kind"),
+        (trainrec_plugin::PluginKind::Model, "models", "[model] kind"),
+        (trainrec_plugin::PluginKind::Metric, "plugin metrics", "[[metrics]] kind = \"plugin\", name"),
+    ] {
+        let of_kind: Vec<_> = entries.iter().filter(|e| e.kind == kind).collect();
+        out.push_str(&format!("{title} ({how}):\n"));
+        if of_kind.is_empty() {
+            out.push_str("  (none registered)\n");
+        }
+        for e in of_kind {
+            out.push_str(&format!("  {:width$}  {}\n", e.name, e.summary));
+        }
+    }
+    out.push_str("\nbuilt-in metrics ([[metrics]] kind): see `trainrec reference` or the book's recipe reference\n");
+    out
 }
 
 fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> ExitCode {

@@ -9,20 +9,24 @@ pub mod report;
 pub use trainrec_data as data;
 pub use trainrec_embedding as embedding;
 pub use trainrec_engine as engine;
-pub use trainrec_engine::{
-    EngineError, Job, MetricFactory, Registry, RunSummary, SamplerFactory, TypedMetric, TypedSampler,
-};
+pub use trainrec_engine::{EngineError, Job, RunSummary};
 pub use trainrec_metrics as metrics;
 pub use trainrec_models as models;
+pub use trainrec_plugin as plugin;
+pub use trainrec_plugin::{
+    MetricFactory, PluginKind, Registry, RegistryError, SamplerFactory, TypedMetric, TypedModel, TypedSampler,
+    conformance,
+};
 pub use trainrec_recipe as recipe;
 pub use trainrec_sparse as sparse;
 
 /// The names most programs need.
 pub mod prelude {
     pub use trainrec_data::{Batch, DataError, FeatureSchema, Sampler, SamplerContext, Split};
-    pub use trainrec_engine::{Job, Registry, TypedMetric, TypedSampler};
+    pub use trainrec_engine::Job;
     pub use trainrec_metrics::{Metric, MetricError, TaskBatch};
     pub use trainrec_models::{DenseModel, ModelFactory, ModelInputs};
+    pub use trainrec_plugin::{Registry, TypedMetric, TypedModel, TypedSampler};
     pub use trainrec_recipe::{LoadOptions, Recipe};
     pub use trainrec_sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
 }
