@@ -456,8 +456,27 @@ pub fn list(registry: &Registry) -> String {
             out.push_str(&format!("  {:width$}  {}\n", e.name, e.summary));
         }
     }
-    out.push_str("\nbuilt-in metrics ([[metrics]] kind): see `trainrec reference` or the book's recipe reference\n");
+    out.push_str("\nbuilt-in metrics ([[metrics]] kind):\n");
+    let metrics = builtin_metrics();
+    let width = metrics.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (kind, summary) in metrics {
+        out.push_str(&format!("  {kind:width$}  {summary}\n"));
+    }
     out
+}
+
+/// The built-in `[[metrics]]` kinds with the first sentence of each one's doc, read from the
+/// recipe schema (so the list cannot drift from what recipes accept).
+fn builtin_metrics() -> Vec<(String, String)> {
+    let schema = trainrec_recipe::Recipe::json_schema();
+    let variants = schema.pointer("/$defs/MetricSection/oneOf").and_then(|v| v.as_array()).cloned().unwrap_or_default();
+    variants
+        .iter()
+        .filter_map(|v| {
+            let kind = v.pointer("/properties/kind/const").and_then(|k| k.as_str())?;
+            (kind != "plugin").then(|| (kind.to_owned(), trainrec_plugin::schema_summary(v)))
+        })
+        .collect()
 }
 
 fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> ExitCode {
