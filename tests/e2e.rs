@@ -310,3 +310,16 @@ fn movielens_two_tower_beats_chance_recall() {
     assert!(s.eval["recall_at_100"] > 0.18, "{:?}", s.eval);
     assert!(s.eval["grouped_auc"] > 0.53, "{:?}", s.eval);
 }
+
+#[test]
+fn criteo_sample_trains_from_torchrecs_binary_layout() {
+    let Some(tsv) = shared_data("criteo-kaggle-sample/train_examples.txt") else { return };
+    let npy = out_dir("criteo-npy");
+    let summary = trainrec::data::criteo_binary::convert_tsv(&tsv, &npy, "train").unwrap();
+    assert_eq!(summary.rows, 10_000);
+    let dir = format!("data.sampler.dir=\"{}\"", npy.display());
+    let s = run_recipe("recipes/criteo/kaggle_binary.toml", "criteo-binary", &[&dir]);
+    eprintln!("criteo sample, binary layout: {:?} loss {:?} in {} steps", s.eval, s.train_loss, s.steps);
+    assert!(s.eval["auc"] > 0.7, "eval AUC {}", s.eval["auc"]);
+    assert!(s.eval["ne"] < 0.95, "eval NE {}", s.eval["ne"]);
+}

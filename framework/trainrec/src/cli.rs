@@ -81,6 +81,12 @@ pub enum Command {
     Reference,
     /// List the registered samplers, models and plugin metrics with one-line docs.
     List,
+    /// Convert data between layouts.
+    Convert {
+        /// Which conversion.
+        #[command(subcommand)]
+        which: ConvertCommand,
+    },
     /// Render PNG plots of every metric of a run over its steps into `RUN_DIR/plots/`.
     Report {
         /// A run directory written by `trainrec run` (holding `metrics.jsonl`).
@@ -91,6 +97,32 @@ pub enum Command {
         /// Which benchmark.
         #[command(subcommand)]
         which: BenchCommand,
+    },
+}
+
+/// The conversions.
+#[derive(Debug, Subcommand)]
+pub enum ConvertCommand {
+    /// A Criteo TSV file to TorchRec's binary layout (`<prefix>_dense.npy`, `_sparse.npy`,
+    /// `_labels.npy`), as TorchRec's `BinaryCriteoUtils.tsv_to_npys` writes it; read it with
+    /// `kind = "criteo_binary"`.
+    CriteoBinary {
+        /// The TSV file.
+        tsv: PathBuf,
+        /// The output directory (created when missing).
+        out_dir: PathBuf,
+        /// File name prefix of the three files.
+        #[arg(long, default_value = "train")]
+        prefix: String,
+        /// The file has no label column (Kaggle's test set): labels are written as -1.
+        #[arg(long)]
+        unlabeled: bool,
+        /// Skip malformed lines (counted) instead of stopping at the first.
+        #[arg(long)]
+        skip_bad_rows: bool,
+        /// Parser threads.
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
     },
 }
 
@@ -361,6 +393,36 @@ pub fn main_with(registry: Registry) -> ExitCode {
         return ExitCode::from(2);
     }
     match cli.command {
+        Command::Convert {
+            which: ConvertCommand::CriteoBinary { tsv, out_dir, prefix, unlabeled, skip_bad_rows, workers },
+        } => {
+            let options = trainrec_data::criteo_binary::ConvertOptions {
+                labeled: !unlabeled,
+                on_bad_row: if skip_bad_rows {
+                    trainrec_data::BadRowPolicy::Skip
+                } else {
+                    trainrec_data::BadRowPolicy::Fail
+                },
+                num_workers: workers,
+            };
+            match trainrec_data::criteo_binary::convert_tsv_with(&tsv, &out_dir, &prefix, &options) {
+                Ok(s) => {
+                    println!(
+                        "wrote {} rows ({} skipped) to {}, {}, {}",
+                        s.rows,
+                        s.skipped,
+                        s.dense.display(),
+                        s.sparse.display(),
+                        s.labels.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::List => {
             print!("{}", list(&registry));
             ExitCode::SUCCESS
