@@ -323,3 +323,13 @@ fn criteo_sample_trains_from_torchrecs_binary_layout() {
     assert!(s.eval["auc"] > 0.7, "eval AUC {}", s.eval["auc"]);
     assert!(s.eval["ne"] < 0.95, "eval NE {}", s.eval["ne"]);
 }
+
+#[test]
+fn avazu_sample_trains_deepfm_from_csv() {
+    let Some(_) = shared_data("avazu-sample/train.csv") else { return };
+    let s = run_recipe("recipes/avazu/sample_deepfm.toml", "avazu", &[]);
+    eprintln!("avazu sample, DeepFM: {:?} loss {:?} in {} steps", s.eval, s.train_loss, s.steps);
+    // 8,087 training rows, 480 eval rows (dev.csv): a small sample, a modest bar.
+    assert!(s.eval["auc"] > 0.62, "eval AUC {}", s.eval["auc"]);
+    assert!(s.eval["ne"] < 1.0, "eval NE {}", s.eval["ne"]);
+}

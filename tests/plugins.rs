@@ -29,6 +29,13 @@ fn builtin_samplers_conform() {
         "libsvm",
         SamplerCase::new("path = \"data/sample.svm\"").base_dir(workspace().join("plugins/libsvm-sampler")),
     );
+    if let Some(path) = shared_data("avazu-sample/train.csv") {
+        let config = format!(
+            "path = {:?}\nlabel = \"click\"\ndense = [\"C15\"]\nsparse = {{ site = \"site_id\", ip = \"device_ip\" }}",
+            path.display().to_string()
+        );
+        sampler_case("csv", SamplerCase::new(&config).batch_size(100));
+    }
     if let Some(path) = shared_data("movielens-100k/u.data") {
         let config = format!("path = {:?}\nsplit = \"temporal\"", path.display().to_string());
         sampler_case("movielens", SamplerCase::new(&config).batch_size(512).rows(2000));
@@ -65,6 +72,7 @@ fn list_shows_builtins_and_plugins_with_their_docs() {
         "criteo_binary",
         "movielens",
         "parquet",
+        "csv",
         "libsvm",
         "dlrm",
         "dlrm_dcn",

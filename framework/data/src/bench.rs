@@ -1,11 +1,12 @@
-//! Reader throughput: rows per second of `criteo_tsv`, `criteo_binary` and `parquet` over the
-//! same synthetic Criteo-like rows, with each requested worker count.
+//! Reader throughput: rows per second of `criteo_tsv`, `criteo_binary`, `parquet` and `csv` over
+//! the same synthetic Criteo-like rows, with each requested worker count.
 //!
 //! [`bench_readers`] writes the rows to a fresh temporary directory as a Criteo TSV, converts it
 //! to TorchRec's binary layout ([`crate::criteo_binary::convert_tsv`]) and writes a Parquet file
 //! (Snappy, `row_group_rows` rows per group; label `INT32`, I1..I13 and C1..C26 optional
-//! `INT64`), reads each back through its sampler (one training pass, no eval hold-out), and
-//! deletes the directory.
+//! `INT64`), reads each back through its sampler (one training pass, no eval hold-out; `csv`
+//! reads the TSV file, naming its columns with `columns`, categorical values hashed as string
+//! ids), and deletes the directory.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -25,8 +26,8 @@ use serde::Serialize;
 use crate::criteo::{NUM_DENSE, NUM_SPARSE};
 use crate::parquet::LabelColumns;
 use crate::{
-    BadRowPolicy, CriteoBinaryConfig, CriteoBinarySampler, CriteoTsvConfig, CriteoTsvSampler, DataError, ParquetConfig,
-    ParquetSampler, Sampler, SamplerContext, Split,
+    BadRowPolicy, CriteoBinaryConfig, CriteoBinarySampler, CriteoTsvConfig, CriteoTsvSampler, CsvConfig, CsvSampler,
+    DataError, ParquetConfig, ParquetSampler, Sampler, SamplerContext, Split,
 };
 
 /// What [`bench_readers`] measures.
@@ -53,7 +54,7 @@ impl Default for BenchOptions {
 /// One measured pass.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BenchResult {
-    /// The sampler kind (`criteo_tsv`, `criteo_binary`, `parquet`).
+    /// The sampler kind (`criteo_tsv`, `criteo_binary`, `parquet`, `csv`).
     pub reader: String,
     /// Worker threads.
     pub num_workers: usize,
@@ -264,6 +265,28 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             num_workers: w,
         };
         results.push(time_pass("parquet", w, &ParquetSampler::build(pq_cfg, &ctx)?, options.batch_size)?);
+        let names = std::iter::once("label".to_string())
+            .chain((1..=NUM_DENSE).map(|i| format!("I{i}")))
+            .chain((1..=NUM_SPARSE).map(|i| format!("C{i}")));
+        let csv_cfg = CsvConfig {
+            path: Some("bench.tsv".into()),
+            paths: vec![],
+            eval_paths: vec![],
+            eval_fraction: Some(0.0),
+            delimiter: "\t".into(),
+            columns: Some(names.collect()),
+            dense: (1..=NUM_DENSE).map(|i| format!("I{i}")).collect(),
+            dense_default: 0.0,
+            dense_transform: crate::parquet::DenseTransform::Log1p,
+            sparse: (1..=NUM_SPARSE).map(|i| (format!("C{i}"), format!("C{i}"))).collect(),
+            integer_ids: vec![],
+            multi_value: Default::default(),
+            label: LabelColumns::One("label".into()),
+            group: None,
+            on_bad_row: BadRowPolicy::Fail,
+            num_workers: w,
+        };
+        results.push(time_pass("csv", w, &CsvSampler::build(csv_cfg, &ctx)?, options.batch_size)?);
     }
     Ok(BenchReport {
         rows: options.rows,
@@ -291,7 +314,7 @@ mod tests {
             dir: Some(base.clone()),
         };
         let report = bench_readers(&opts).unwrap();
-        assert_eq!(report.results.len(), 6);
+        assert_eq!(report.results.len(), 8);
         for r in &report.results {
             assert_eq!(r.rows, 3000, "{} with {} workers", r.reader, r.num_workers);
             assert!(r.rows_per_sec > 0.0);
@@ -299,6 +322,7 @@ mod tests {
         assert!(report.tsv_bytes > 0 && report.npy_bytes > 0 && report.parquet_bytes > 0);
         let json = report.to_json();
         assert_eq!(json["results"][2]["reader"], "parquet");
+        assert_eq!(json["results"][3]["reader"], "csv");
         assert_eq!(std::fs::read_dir(&base).unwrap().count(), 0, "the temporary directory was removed");
         std::fs::remove_dir_all(&base).ok();
     }

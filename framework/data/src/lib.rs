@@ -5,7 +5,9 @@
 //! - [`CriteoBinarySampler`]: TorchRec's preprocessed binary (`.npy`) Criteo layout, with
 //!   [`criteo_binary::convert_tsv`] to produce it;
 //! - [`MovieLensSampler`]: MovieLens ratings (`u.data`, `ratings.csv`, `ratings.dat`);
-//! - [`ParquetSampler`]: columns of Parquet files mapped to dense, sparse and label inputs.
+//! - [`ParquetSampler`]: columns of Parquet files mapped to dense, sparse and label inputs;
+//! - [`CsvSampler`]: columns of delimited text files (CSV, TSV) with a header, mapped the same
+//!   way.
 //!
 //! The file samplers read through [`stream`]: worker threads parse fixed chunks (blocks of
 //! lines, row ranges, row groups) into a bounded queue and the batch iterator reassembles them
@@ -15,6 +17,7 @@
 pub mod bench;
 pub mod criteo;
 pub mod criteo_binary;
+pub mod csv;
 pub mod movielens;
 pub mod npy;
 pub mod parquet;
@@ -28,6 +31,7 @@ pub use crate::parquet::{ParquetConfig, ParquetSampler};
 pub use bench::{BenchOptions, BenchReport, BenchResult, bench_readers};
 pub use criteo::{BadRowPolicy, CriteoTsvConfig, CriteoTsvSampler};
 pub use criteo_binary::{CriteoBinaryConfig, CriteoBinarySampler};
+pub use csv::{CsvConfig, CsvSampler};
 pub use movielens::{MovieLensConfig, MovieLensFormat, MovieLensLabel, MovieLensSampler, MovieLensSplit};
 pub use synthetic::{IdDistribution, SyntheticConfig, SyntheticSampler};
 use trainrec_sparse::KeyedJaggedTensor;
@@ -196,6 +200,18 @@ pub fn splitmix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
+}
+
+/// `"did you mean \"x\"? "` for the candidate closest to `name` by edit distance, when one is
+/// close enough (at most a third of the longer name, or 2); otherwise empty.
+pub(crate) fn did_you_mean<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
+    candidates
+        .into_iter()
+        .map(|c| (strsim::levenshtein(c, name), c))
+        .filter(|(d, c)| *d <= (c.len().max(name.len()) / 3).max(2))
+        .min()
+        .map(|(_, c)| format!("did you mean {c:?}? "))
+        .unwrap_or_default()
 }
 
 /// A hash of several words.

@@ -174,8 +174,9 @@ fn format_err(path: &Path, message: impl Into<String>) -> DataError {
     DataError::Format { path: path.to_path_buf(), message: message.into() }
 }
 
-/// Expands `paths` (files, globs, directories) under `base`.
-fn expand(base: &Path, paths: &[String], key: &str) -> Result<Vec<PathBuf>, DataError> {
+/// Expands `paths` (files, globs, directories) under `base`; a directory stands for its files
+/// whose extension is one of `exts` (case-insensitive), in name order.
+pub(crate) fn expand(base: &Path, paths: &[String], key: &str, exts: &[&str]) -> Result<Vec<PathBuf>, DataError> {
     let mut out = Vec::new();
     for (i, p) in paths.iter().enumerate() {
         let k = format!("{key}[{i}]");
@@ -184,11 +185,17 @@ fn expand(base: &Path, paths: &[String], key: &str) -> Result<Vec<PathBuf>, Data
             let mut files: Vec<PathBuf> = std::fs::read_dir(&full)
                 .map_err(|e| DataError::io(&full, e))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|f| f.is_file() && f.extension().is_some_and(|x| x.eq_ignore_ascii_case("parquet")))
+                .filter(|f| {
+                    f.is_file() && f.extension().is_some_and(|x| exts.iter().any(|e| x.eq_ignore_ascii_case(e)))
+                })
                 .collect();
             files.sort();
             if files.is_empty() {
-                return Err(DataError::config(k, format!("directory {} holds no *.parquet file", full.display())));
+                let kinds: Vec<String> = exts.iter().map(|e| format!("*.{e}")).collect();
+                return Err(DataError::config(
+                    k,
+                    format!("directory {} holds no {} file", full.display(), kinds.join(" or ")),
+                ));
             }
             out.extend(files);
         } else if p.contains(['*', '?', '[']) {
@@ -241,13 +248,7 @@ fn resolve(schema: &SchemaDescriptor, name: &str, role: Role, key: &str, path: &
             let names = top_level_names(schema);
             let mut candidates = names.clone();
             candidates.extend((0..schema.num_columns()).map(|i| schema.column(i).path().string()));
-            let hint = candidates
-                .iter()
-                .map(|c| (strsim::levenshtein(c, name), c))
-                .filter(|(d, c)| *d <= (c.len().max(name.len()) / 3).max(2))
-                .min()
-                .map(|(_, c)| format!("did you mean {c:?}? "))
-                .unwrap_or_default();
+            let hint = crate::did_you_mean(name, candidates.iter().map(String::as_str));
             return Err(DataError::config(
                 key,
                 format!("{} has no column {name:?}; {hint}its columns: {}", path.display(), names.join(", ")),
@@ -399,8 +400,9 @@ impl ParquetSampler {
         }
         let schema = Self::feature_schema(&config);
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
-        let train = plan(&expand(&ctx.base_dir, &config.paths, "paths")?, &config, &label_names)?;
-        let eval = plan(&expand(&ctx.base_dir, &config.eval_paths, "eval_paths")?, &config, &label_names)?;
+        let train = plan(&expand(&ctx.base_dir, &config.paths, "paths", &["parquet"])?, &config, &label_names)?;
+        let eval =
+            plan(&expand(&ctx.base_dir, &config.eval_paths, "eval_paths", &["parquet"])?, &config, &label_names)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 config,

@@ -4,6 +4,10 @@
 //! The truth (dense weights, per-id latent values) is fixed by the run seed; every batch is
 //! generated from its own RNG seeded by (seed, split, epoch, batch index), so batches are
 //! reproducible and independent of how many were generated before.
+//!
+//! Bag lengths follow `pooling_factor` (the same for every feature), or per feature TorchRec's
+//! `RandomRecDataset` parameters: `ids_per_features` alone fixes each feature's length,
+//! `min_ids_per_features` with it draws lengths uniformly from `min..=max`.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -35,10 +39,26 @@ pub struct SyntheticConfig {
     /// Names of the sparse features; each must be looked up in a table, whose `rows` bound its ids.
     #[serde(default = "defaults::sparse_features")]
     pub sparse_features: Vec<String>,
-    /// Mean number of ids per bag. 1 gives one id per bag; above 1, bag lengths are uniform in
-    /// `1..=2*pooling_factor-1`.
+    /// Mean number of ids per bag, the same for every feature. 1 gives one id per bag; above 1,
+    /// bag lengths are uniform in `1..=2*pooling_factor-1`. Used when `ids_per_features` is not
+    /// set; setting both (with `pooling_factor` other than 1) is an error.
     #[serde(default = "defaults::pooling_factor")]
     pub pooling_factor: u32,
+    /// Per-feature bag lengths, one entry per sparse feature in `sparse_features` order, as
+    /// TorchRec's `RandomRecDataset(ids_per_features=...)`. Without `min_ids_per_features`,
+    /// every bag of feature `i` holds exactly `ids_per_features[i]` ids (0: always empty); with
+    /// it, this is the largest length. Takes the place of `pooling_factor`, which must then be
+    /// left at 1.
+    #[serde(default)]
+    pub ids_per_features: Option<Vec<u32>>,
+    /// Per-feature smallest bag lengths, one entry per sparse feature (needs
+    /// `ids_per_features`): each bag of feature `i` gets a length drawn uniformly from
+    /// `min_ids_per_features[i]..=ids_per_features[i]`, as TorchRec's `RandomRecDataset` draws
+    /// it (`torch.randint(min, max + 1)`); a minimum of 0 allows empty bags. Unlike TorchRec,
+    /// leaving it unset makes lengths fixed (TorchRec then draws from `0..=max`; write zeros to
+    /// get that).
+    #[serde(default)]
+    pub min_ids_per_features: Option<Vec<u32>>,
     /// How ids are drawn.
     #[serde(default = "defaults::ids")]
     pub ids: IdDistribution,
@@ -101,11 +121,98 @@ const BIAS: f64 = -1.4;
 /// Standard deviation of each sparse feature's per-id latent value.
 const LATENT_STD: f64 = 0.6;
 
+/// How bag lengths are drawn (from `pooling_factor` or `ids_per_features`).
+#[derive(Clone, Debug, PartialEq)]
+enum BagLengths {
+    /// `pooling_factor`: 1, or uniform in `1..=2p-1`, for every feature.
+    Pooling(u32),
+    /// `ids_per_features` alone: exactly this many ids per bag, per feature.
+    Fixed(Vec<u32>),
+    /// `ids_per_features` with `min_ids_per_features`: uniform in `min..=max`, per feature.
+    Range(Vec<(u32, u32)>),
+}
+
+impl BagLengths {
+    /// The lengths `config` asks for, checking its length keys against its sparse features.
+    fn of(config: &SyntheticConfig) -> Result<Self, DataError> {
+        let nf = config.sparse_features.len();
+        let per_feature = |key: &str, v: &[u32]| {
+            if v.len() == nf {
+                Ok(())
+            } else {
+                Err(DataError::config(
+                    key,
+                    format!(
+                        "{key} has {} entries but there are {nf} sparse features ({}): give one per feature",
+                        v.len(),
+                        config.sparse_features.join(", ")
+                    ),
+                ))
+            }
+        };
+        match (&config.ids_per_features, &config.min_ids_per_features) {
+            (None, None) => Ok(BagLengths::Pooling(config.pooling_factor)),
+            (None, Some(_)) => Err(DataError::config(
+                "min_ids_per_features",
+                "min_ids_per_features needs ids_per_features (the largest bag length per feature)",
+            )),
+            (Some(_), _) if config.pooling_factor != defaults::pooling_factor() => Err(DataError::config(
+                "ids_per_features",
+                format!(
+                    "set either pooling_factor (found {}) or ids_per_features / min_ids_per_features, not both",
+                    config.pooling_factor
+                ),
+            )),
+            (Some(max), None) => {
+                per_feature("ids_per_features", max)?;
+                Ok(BagLengths::Fixed(max.clone()))
+            }
+            (Some(max), Some(min)) => {
+                per_feature("ids_per_features", max)?;
+                per_feature("min_ids_per_features", min)?;
+                if let Some(i) = (0..nf).find(|&i| min[i] > max[i]) {
+                    return Err(DataError::config(
+                        "min_ids_per_features",
+                        format!(
+                            "min_ids_per_features[{i}] = {} is above ids_per_features[{i}] = {} (feature {:?})",
+                            min[i], max[i], config.sparse_features[i]
+                        ),
+                    ));
+                }
+                Ok(BagLengths::Range(min.iter().copied().zip(max.iter().copied()).collect()))
+            }
+        }
+    }
+
+    /// The largest length of feature `f`'s bags.
+    fn max(&self, f: usize) -> u32 {
+        match self {
+            BagLengths::Pooling(p) => p.saturating_mul(2) - 1,
+            BagLengths::Fixed(l) => l[f],
+            BagLengths::Range(r) => r[f].1,
+        }
+    }
+
+    /// A bag length of feature `f`, drawn from `rng` when it is not fixed.
+    fn draw(&self, f: usize, rng: &mut StdRng) -> u32 {
+        match self {
+            BagLengths::Pooling(1) => 1,
+            BagLengths::Pooling(p) => rng.random_range(1..=p.saturating_mul(2) - 1),
+            BagLengths::Fixed(l) => l[f],
+            BagLengths::Range(r) => {
+                let (lo, hi) = r[f];
+                if lo == hi { lo } else { rng.random_range(lo..=hi) }
+            }
+        }
+    }
+}
+
 /// The synthetic sampler.
 #[derive(Clone)]
 pub struct SyntheticSampler {
     config: SyntheticConfig,
     schema: FeatureSchema,
+    lengths: BagLengths,
     rows: Vec<u64>,
     dense_weights: Vec<f64>,
     dense_means: Vec<f64>,
@@ -150,6 +257,7 @@ impl SyntheticSampler {
         if config.train_samples == 0 || config.eval_samples == 0 {
             return Err(bad("train_samples", "train_samples and eval_samples must be positive".into()));
         }
+        let lengths = BagLengths::of(&config)?;
         let rows = config.sparse_features.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
         let mut world = StdRng::seed_from_u64(hash_words(&[ctx.seed, 0x5EED]));
         let nd = config.dense_features.max(1) as f64;
@@ -166,6 +274,7 @@ impl SyntheticSampler {
         Ok(Self {
             schema: Self::feature_schema(&config),
             config,
+            lengths,
             rows,
             dense_weights,
             dense_means,
@@ -261,12 +370,12 @@ impl SyntheticSampler {
             }
         }
         // Key-major bags: draw per feature, then per example.
-        let p = self.config.pooling_factor;
         let mut lengths = Vec::with_capacity(n * nf);
-        let mut values = Vec::with_capacity(n * nf * p as usize);
+        let mean_max: usize = (0..nf).map(|f| (self.lengths.max(f) as usize).div_ceil(2)).sum();
+        let mut values = Vec::with_capacity(n * mean_max.max(nf));
         for f in 0..nf {
             for _ in 0..n {
-                let len = if p == 1 { 1 } else { rng.random_range(1..=2 * p - 1) };
+                let len = self.lengths.draw(f, &mut rng);
                 lengths.push(len);
                 for _ in 0..len {
                     let id = match &self.zipf[f] {
@@ -468,6 +577,98 @@ mod tests {
         assert_ne!(first(&a, Split::Train, 0), first(&a, Split::Train, 1));
         assert_eq!(first(&a, Split::Eval, 0), first(&a, Split::Eval, 5));
         assert_ne!(first(&a, Split::Eval, 0), first(&a, Split::Train, 0));
+    }
+
+    /// A sampler over features `a`, `b`, `c` (100 rows each) with the given length keys.
+    fn with_lengths(pooling: u32, max: Option<Vec<u32>>, min: Option<Vec<u32>>) -> Result<SyntheticSampler, DataError> {
+        let config = SyntheticConfig {
+            sparse_features: vec!["a".into(), "b".into(), "c".into()],
+            pooling_factor: pooling,
+            ids_per_features: max,
+            min_ids_per_features: min,
+            train_samples: 20_000,
+            ..serde_json_default()
+        };
+        let feature_rows = config.sparse_features.iter().map(|f| (f.clone(), 100)).collect();
+        SyntheticSampler::build(config, &SamplerContext { feature_rows, seed: 5, ..Default::default() })
+    }
+
+    /// Bag lengths of feature `f` over a whole training pass.
+    fn lengths_of(s: &SyntheticSampler, f: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        for b in s.batches(Split::Train, 0, 4096).unwrap() {
+            let b = b.unwrap();
+            let k = b.sparse.feature(f);
+            out.extend((0..b.batch_size).map(|i| k.bag(i).len() as u32));
+            assert!(k.values.iter().all(|&id| (0..100).contains(&id)));
+        }
+        out
+    }
+
+    #[test]
+    fn ids_per_features_fixes_each_features_bag_length() {
+        let s = with_lengths(1, Some(vec![1, 3, 0]), None).unwrap();
+        for (f, want) in [(0, 1), (1, 3), (2, 0)] {
+            let lens = lengths_of(&s, f);
+            assert_eq!(lens.len(), 20_000);
+            assert!(lens.iter().all(|&l| l == want), "feature {f}: every bag has {want} ids");
+        }
+        // 20000 examples * (1 + 3 + 0) ids.
+        let ids: usize = s.batches(Split::Train, 0, 4096).unwrap().map(|b| b.unwrap().sparse.values().len()).sum();
+        assert_eq!(ids, 80_000);
+    }
+
+    #[test]
+    fn min_ids_per_features_draws_lengths_uniformly_in_the_range() {
+        // Feature a: uniform on 0..=4 (mean 2, each length 1/5); b: 2..=2 (always 2);
+        // c: 1..=6 (mean 3.5, each length 1/6).
+        let s = with_lengths(1, Some(vec![4, 2, 6]), Some(vec![0, 2, 1])).unwrap();
+        for (f, lo, hi) in [(0u32, 0u32, 4u32), (1, 2, 2), (2, 1, 6)] {
+            let lens = lengths_of(&s, f as usize);
+            let n = lens.len() as f64;
+            assert!(lens.iter().all(|&l| (lo..=hi).contains(&l)), "feature {f}: lengths in [{lo}, {hi}]");
+            let mean = lens.iter().map(|&l| l as f64).sum::<f64>() / n;
+            // The standard error of the mean is at most sqrt(35/12 / 20000) ~ 0.012.
+            let want = (lo + hi) as f64 / 2.0;
+            assert!((mean - want).abs() < 0.05, "feature {f}: mean {mean}, want {want}");
+            let width = (hi - lo + 1) as f64;
+            for l in lo..=hi {
+                // Each length's share is 1/width, standard error below 0.003.
+                let share = lens.iter().filter(|&&x| x == l).count() as f64 / n;
+                assert!((share - 1.0 / width).abs() < 0.015, "feature {f}: length {l} share {share}");
+            }
+        }
+        // The draws are reproducible.
+        let again = with_lengths(1, Some(vec![4, 2, 6]), Some(vec![0, 2, 1])).unwrap();
+        assert_eq!(lengths_of(&s, 2), lengths_of(&again, 2));
+    }
+
+    #[test]
+    fn bag_length_keys_are_checked() {
+        let key_of = |r: Result<SyntheticSampler, DataError>| match r {
+            Err(DataError::Config { key, message }) => (key, message),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("accepted"),
+        };
+        let (key, msg) = key_of(with_lengths(1, Some(vec![1, 2]), None));
+        assert_eq!(key, "ids_per_features");
+        assert!(msg.contains("has 2 entries but there are 3 sparse features (a, b, c)"), "{msg}");
+        let (key, _) = key_of(with_lengths(1, Some(vec![1, 2, 3]), Some(vec![0, 0, 0, 0])));
+        assert_eq!(key, "min_ids_per_features");
+        let (key, msg) = key_of(with_lengths(1, Some(vec![1, 2, 3]), Some(vec![0, 3, 0])));
+        assert_eq!(key, "min_ids_per_features");
+        assert!(msg.contains("min_ids_per_features[1] = 3 is above ids_per_features[1] = 2"), "{msg}");
+        let (key, _) = key_of(with_lengths(1, None, Some(vec![0, 0, 0])));
+        assert_eq!(key, "min_ids_per_features");
+        let (key, msg) = key_of(with_lengths(3, Some(vec![1, 2, 3]), None));
+        assert_eq!(key, "ids_per_features");
+        assert!(msg.contains("pooling_factor") && msg.contains("not both"), "{msg}");
+        // pooling_factor left at its default is fine, and so are the keys from a recipe section.
+        let c: SyntheticConfig = serde_json::from_value(serde_json::json!({
+            "sparse_features": ["a"], "ids_per_features": [5], "min_ids_per_features": [2]
+        }))
+        .unwrap();
+        assert_eq!(c.min_ids_per_features, Some(vec![2]));
     }
 
     #[test]

@@ -253,6 +253,7 @@ impl Registry {
             .sampler::<trainrec_data::CriteoBinarySampler>()
             .sampler::<trainrec_data::MovieLensSampler>()
             .sampler::<trainrec_data::ParquetSampler>()
+            .sampler::<trainrec_data::CsvSampler>()
             .model_factory(trainrec_models::DlrmFactory)
             .model_factory(trainrec_models::DlrmDcnFactory)
             .model_factory(trainrec_models::DeepFmFactory)
@@ -417,6 +418,7 @@ builtin_samplers! {
     CriteoBinarySampler(CriteoBinaryConfig) = "criteo_binary";
     MovieLensSampler(MovieLensConfig) = "movielens";
     ParquetSampler(ParquetConfig) = "parquet";
+    CsvSampler(CsvConfig) = "csv";
 }
 
 #[cfg(test)]
