@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::stream::{self, Batcher, RowBlock, Shard, TextChunk};
+use crate::stream::{self, RowBlock, Shard, SplitRows, TextChunk};
 use crate::{BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 
 /// Dense columns in the Criteo layout.
@@ -128,15 +128,20 @@ pub fn parse_line(line: &str) -> Result<CriteoRow, String> {
     Ok(CriteoRow { label, dense, sparse })
 }
 
+/// The features of the Criteo layout: I1..I13 dense, C1..C26 sparse, one label.
+pub(crate) fn criteo_features() -> FeatureSchema {
+    FeatureSchema {
+        num_dense: NUM_DENSE,
+        sparse: (1..=NUM_SPARSE).map(|i| format!("C{i}")).collect(),
+        labels: vec!["label".to_owned()],
+        grouping_key: None,
+    }
+}
+
 impl CriteoTsvSampler {
     /// The features (I1..I13 dense, C1..C26 sparse).
     pub fn feature_schema(_config: &CriteoTsvConfig) -> FeatureSchema {
-        FeatureSchema {
-            num_dense: NUM_DENSE,
-            sparse: (1..=NUM_SPARSE).map(|i| format!("C{i}")).collect(),
-            labels: vec!["label".to_owned()],
-            grouping_key: None,
-        }
+        criteo_features()
     }
 
     /// Builds the sampler (checks the file can be opened).
@@ -164,16 +169,13 @@ impl CriteoTsvSampler {
 
 impl Inner {
     /// Parses the lines of `chunk` that belong to this rank and `split`.
-    fn parse_chunk(&self, chunk: TextChunk, split: Split, stop: &AtomicBool) -> Result<RowBlock, DataError> {
+    fn parse_chunk(&self, chunk: TextChunk, split: SplitRows, stop: &AtomicBool) -> Result<RowBlock, DataError> {
         let mut block = RowBlock::new(NUM_DENSE, 1, NUM_SPARSE, false);
-        let want_eval = split == Split::Eval;
         for (line_no, raw) in chunk.lines() {
             if self.config.max_rows.is_some_and(|m| line_no > m) || stop.load(Ordering::Relaxed) {
                 break;
             }
-            if !self.shard.owns(line_no - 1)
-                || stream::is_eval_row(self.seed, line_no, self.config.eval_fraction) != want_eval
-            {
+            if !self.shard.owns(line_no - 1) || !split.keeps(line_no) {
                 continue;
             }
             let parsed =
@@ -187,10 +189,11 @@ impl Inner {
                     }
                     block.rows += 1;
                 }
-                Err(message) if self.config.on_bad_row == BadRowPolicy::Fail => {
-                    return Err(DataError::BadRow { file: self.path.clone(), line: line_no, message });
-                }
-                Err(message) => block.skip(|| format!("{}:{line_no}: {message}", self.path.display())),
+                Err(message) => block.bad_row(self.config.on_bad_row, || DataError::BadRow {
+                    file: self.path.clone(),
+                    line: line_no,
+                    message,
+                })?,
             }
         }
         Ok(block)
@@ -205,16 +208,12 @@ impl Sampler for CriteoTsvSampler {
     /// Rows in file order (the file is chronological); `epoch` does not change the order.
     fn batches(&self, split: Split, _epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
         let s = &self.inner;
+        let split = SplitRows::new(split, Some(s.config.eval_fraction), s.seed);
         let chunks = stream::text_chunks(&s.path, s.chunk_bytes, s.config.max_rows)?;
         let inner = Arc::clone(&self.inner);
-        let blocks = stream::ordered_map(
-            chunks,
-            s.config.num_workers,
-            || (),
-            move |_, chunk, stop| inner.parse_chunk(chunk, split, stop),
-        );
+        let parse = move |_: &mut (), chunk, stop: &AtomicBool| inner.parse_chunk(chunk, split, stop);
         let source = s.path.display().to_string();
-        Ok(Batcher::new(blocks, source, s.schema.sparse.clone(), NUM_DENSE, 1, false, batch_size).into_stream())
+        Ok(stream::read_batches(&s.schema, source, chunks, s.config.num_workers, || (), parse, batch_size))
     }
 }
 

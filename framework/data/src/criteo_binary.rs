@@ -61,7 +61,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::criteo::{NUM_DENSE, NUM_SPARSE};
 use crate::npy::{self, DType, NpyReader};
-use crate::stream::{self, Batcher, RowBlock, Shard, TextChunk};
+use crate::stream::{self, RowBlock, Shard, SplitRows, TextChunk};
 use crate::{BadRowPolicy, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 
 /// Rows per chunk of parallel reading.
@@ -496,12 +496,7 @@ fn row_chunks(parts: &[Part], chunk_rows: u64) -> Vec<RowChunk> {
 impl CriteoBinarySampler {
     /// The features (I1..I13 dense, C1..C26 sparse, as `criteo_tsv`).
     pub fn feature_schema(_config: &CriteoBinaryConfig) -> FeatureSchema {
-        FeatureSchema {
-            num_dense: NUM_DENSE,
-            sparse: (1..=NUM_SPARSE).map(|i| format!("C{i}")).collect(),
-            labels: vec!["label".to_owned()],
-            grouping_key: None,
-        }
+        crate::criteo::criteo_features()
     }
 
     /// Builds the sampler: checks every file's header and shape, and counts categorical values
@@ -509,17 +504,7 @@ impl CriteoBinarySampler {
     pub fn build(config: CriteoBinaryConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
         let num_workers = stream::check_workers(config.num_workers)?;
         let shard = Shard::of(ctx)?;
-        let eval_fraction = match (&config.eval_fraction, config.eval.is_empty()) {
-            (Some(_), false) => {
-                return Err(DataError::config(
-                    "eval_fraction",
-                    "set either eval (eval files) or eval_fraction, not both",
-                ));
-            }
-            (Some(f), true) => Some(stream::check_fraction("eval_fraction", *f)?),
-            (None, true) => Some(0.1),
-            (None, false) => None,
-        };
+        let eval_fraction = stream::eval_fraction(config.eval_fraction, !config.eval.is_empty(), "eval (eval files)")?;
         if config.train.is_empty() {
             return Err(DataError::config("train", "name at least one training file prefix"));
         }
@@ -598,7 +583,7 @@ fn parts(dir: &Path, prefixes: &[String], key: &str) -> Result<Vec<Part>, DataEr
 /// The raw values of each column seen at least `threshold` times in training rows.
 fn count_frequent(inner: &Inner, threshold: u64) -> Result<Vec<HashSet<i64>>, DataError> {
     let parts = Arc::new(inner.train.clone());
-    let (seed, fraction) = (inner.seed, inner.eval_fraction);
+    let train = SplitRows::new(Split::Train, inner.eval_fraction, inner.seed);
     let units = row_chunks(&parts, inner.chunk_rows).into_iter().map(Ok);
     let p2 = Arc::clone(&parts);
     let counted = stream::ordered_map(
@@ -616,7 +601,7 @@ fn count_frequent(inner: &Inner, threshold: u64) -> Result<Vec<HashSet<i64>>, Da
             let mut counts: Vec<HashMap<i64, u64>> = vec![HashMap::new(); NUM_SPARSE];
             for (r, row) in ids.chunks_exact(NUM_SPARSE).enumerate() {
                 let number = part.first + c.start + r as u64 + 1;
-                if fraction.is_some_and(|f| stream::is_eval_row(seed, number, f)) {
+                if !train.keeps(number) {
                     continue;
                 }
                 for (f, &v) in row.iter().enumerate() {
@@ -638,17 +623,15 @@ fn count_frequent(inner: &Inner, threshold: u64) -> Result<Vec<HashSet<i64>>, Da
 }
 
 impl Inner {
-    /// Parses the rows of `c` that belong to this rank; `want_eval` is `Some` when the split is
-    /// hashed out of the training files (keep the rows whose eval hash equals it).
+    /// Parses the rows of `c` (a chunk of `split`'s files) that belong to this rank and `split`.
     fn parse_chunk(
         &self,
         open: &mut Open,
-        parts: &[Part],
         c: RowChunk,
-        want_eval: Option<bool>,
+        split: SplitRows,
         stop: &AtomicBool,
     ) -> Result<RowBlock, DataError> {
-        let part = &parts[c.part];
+        let part = &split.files(&self.train, &self.eval)[c.part];
         if open.as_ref().is_none_or(|(p, _)| *p != c.part) {
             *open = Some((
                 c.part,
@@ -666,13 +649,8 @@ impl Inner {
                 break;
             }
             let index = part.first + c.start + r as u64;
-            if !self.shard.owns(index) {
+            if !self.shard.owns(index) || !split.keeps(index + 1) {
                 continue;
-            }
-            if let (Some(want), Some(f)) = (want_eval, self.eval_fraction) {
-                if stream::is_eval_row(self.seed, index + 1, f) != want {
-                    continue;
-                }
             }
             let d = &dense[r * NUM_DENSE..(r + 1) * NUM_DENSE];
             let label = labels[r];
@@ -683,10 +661,11 @@ impl Inner {
             };
             if let Some(message) = problem {
                 let location = format!("row {}", c.start + r as u64);
-                if self.on_bad_row == BadRowPolicy::Fail {
-                    return Err(DataError::BadRecord { file: part.labels.clone(), location, message });
-                }
-                block.skip(|| format!("{}: {location}: {message}", part.labels.display()));
+                block.bad_row(self.on_bad_row, || DataError::BadRecord {
+                    file: part.labels.clone(),
+                    location,
+                    message,
+                })?;
                 continue;
             }
             block.labels.push(label);
@@ -714,22 +693,13 @@ impl Sampler for CriteoBinarySampler {
     /// Rows in file order; `epoch` does not change the order.
     fn batches(&self, split: Split, _epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
         let s = &self.inner;
-        let use_train = split == Split::Train || s.eval_fraction.is_some();
-        let want_eval = s.eval_fraction.map(|_| split == Split::Eval);
-        let parts = if use_train { &s.train } else { &s.eval };
+        let split = SplitRows::new(split, s.eval_fraction, s.seed);
+        let parts = split.files(&s.train, &s.eval);
         let source = parts.first().map_or_else(String::new, |p| p.dense.display().to_string());
         let units = row_chunks(parts, s.chunk_rows).into_iter().map(Ok);
         let inner = Arc::clone(&self.inner);
-        let blocks = stream::ordered_map(
-            units,
-            s.num_workers,
-            || None,
-            move |open: &mut Open, c, stop| {
-                let parts = if use_train { &inner.train[..] } else { &inner.eval[..] };
-                inner.parse_chunk(open, parts, c, want_eval, stop)
-            },
-        );
-        Ok(Batcher::new(blocks, source, s.schema.sparse.clone(), NUM_DENSE, 1, false, batch_size).into_stream())
+        let parse = move |open: &mut Open, c, stop: &AtomicBool| inner.parse_chunk(open, c, split, stop);
+        Ok(stream::read_batches(&s.schema, source, units, s.num_workers, || None, parse, batch_size))
     }
 }
 

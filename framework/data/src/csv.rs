@@ -39,8 +39,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::columns::{ColumnIndexes, column_keys};
 use crate::parquet::{DenseTransform, LabelColumns, expand, string_id};
-use crate::stream::{self, Batcher, RowBlock, Shard, TextChunk};
+use crate::stream::{self, RowBlock, Shard, SplitRows, TextChunk};
 use crate::{BadRowPolicy, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 
 /// File extensions a directory in `paths` is read for.
@@ -311,12 +312,7 @@ fn resolve(names: &[String], name: &str, key: &str, from: &NamesFrom) -> Result<
 impl CsvSampler {
     /// The features a config produces (no file is read).
     pub fn feature_schema(config: &CsvConfig) -> FeatureSchema {
-        FeatureSchema {
-            num_dense: config.dense.len(),
-            sparse: config.sparse.keys().cloned().collect(),
-            labels: config.label.names(),
-            grouping_key: config.group.clone(),
-        }
+        column_keys!(config).feature_schema()
     }
 
     /// Builds the sampler: expands the paths, reads each file's header and checks every
@@ -345,21 +341,7 @@ impl CsvSampler {
             }
         };
         let path_key = if config.path.is_some() { "path" } else { "paths" };
-        let label_names = config.label.names();
-        if label_names.is_empty() {
-            return Err(DataError::config("label", "name at least one label column"));
-        }
-        let eval_fraction = match (config.eval_fraction, config.eval_paths.is_empty()) {
-            (Some(_), false) => {
-                return Err(DataError::config("eval_fraction", "set either eval_paths or eval_fraction, not both"));
-            }
-            (Some(f), true) => Some(stream::check_fraction("eval_fraction", f)?),
-            (None, true) => Some(0.1),
-            (None, false) => None,
-        };
-        if !config.dense_default.is_finite() {
-            return Err(DataError::config("dense_default", "dense_default must be a finite number"));
-        }
+        let (label_names, eval_fraction) = column_keys!(config).check()?;
         let features: Vec<&str> = config.sparse.keys().map(String::as_str).collect();
         let unknown_feature = |key: String, f: &str| {
             let hint = crate::did_you_mean(f, features.iter().copied());
@@ -399,8 +381,8 @@ impl CsvSampler {
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
         let train_files = expand(&ctx.base_dir, &paths, path_key, EXTENSIONS)?;
         let eval_files = expand(&ctx.base_dir, &config.eval_paths, "eval_paths", EXTENSIONS)?;
-        let train = plan(&train_files, &config, &label_names, delimiter)?;
-        let eval = plan(&eval_files, &config, &label_names, delimiter)?;
+        let train = plan(&train_files, &config, delimiter)?;
+        let eval = plan(&eval_files, &config, delimiter)?;
         let sparse: Vec<(String, String)> = config.sparse.iter().map(|(f, c)| (f.clone(), c.clone())).collect();
         let integer = sparse.iter().map(|(f, _)| config.integer_ids.contains(f)).collect();
         let separators = sparse.iter().map(|(f, _)| config.multi_value.get(f).map(|s| s.as_bytes().to_vec())).collect();
@@ -426,7 +408,7 @@ impl CsvSampler {
 }
 
 /// Reads each file's header (or checks it against `columns`) and resolves the config's columns.
-fn plan(files: &[PathBuf], config: &CsvConfig, labels: &[String], delim: u8) -> Result<Vec<FilePlan>, DataError> {
+fn plan(files: &[PathBuf], config: &CsvConfig, delim: u8) -> Result<Vec<FilePlan>, DataError> {
     let mut out = Vec::with_capacity(files.len());
     for path in files {
         let first = first_line(path)?;
@@ -455,15 +437,8 @@ fn plan(files: &[PathBuf], config: &CsvConfig, labels: &[String], delim: u8) -> 
                 (cols.clone(), header, NamesFrom::Columns)
             }
         };
-        let col = |name: &str, key: String| resolve(&names, name, &key, &from);
-        let dense =
-            config.dense.iter().enumerate().map(|(i, c)| col(c, format!("dense[{i}]"))).collect::<Result<_, _>>()?;
-        let sparse = config.sparse.iter().map(|(f, c)| col(c, format!("sparse.{f}"))).collect::<Result<_, _>>()?;
-        let label_key = |i: usize| {
-            if matches!(config.label, LabelColumns::One(_)) { "label".to_string() } else { format!("label[{i}]") }
-        };
-        let labels = labels.iter().enumerate().map(|(i, c)| col(c, label_key(i))).collect::<Result<_, _>>()?;
-        let group = config.group.as_deref().map(|g| col(g, "group".into())).transpose()?;
+        let ColumnIndexes { dense, sparse, labels, group } =
+            column_keys!(config).resolve(|name, _, key| resolve(&names, name, &key, &from))?;
         out.push(FilePlan { path: path.clone(), header, fields: names.len(), dense, sparse, labels, group });
     }
     Ok(out)
@@ -571,10 +546,7 @@ impl Inner {
                     return Err(format!("dense column {:?} is {:?}, not a number", c.dense[j], show(&fields[f])));
                 }
             };
-            row.dense.push(match c.dense_transform {
-                DenseTransform::None => v as f32,
-                DenseTransform::Log1p => v.max(0.0).ln_1p() as f32,
-            });
+            row.dense.push(c.dense_transform.apply(v));
         }
         if let Some(g) = plan.group {
             if fields[g].is_empty() {
@@ -619,16 +591,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Parses the lines of `u` that belong to this rank and split (`want_eval`: which side of
-    /// the hash split, `None` with eval files).
-    fn parse_chunk(
-        &self,
-        plans: &[FilePlan],
-        u: Unit,
-        want_eval: Option<bool>,
-        stop: &AtomicBool,
-    ) -> Result<RowBlock, DataError> {
-        let plan = &plans[u.file];
+    /// Parses the lines of `u` (a block of `split`'s files) that belong to this rank and `split`.
+    fn parse_chunk(&self, u: Unit, split: SplitRows, stop: &AtomicBool) -> Result<RowBlock, DataError> {
+        let plan = &split.files(&self.train, &self.eval)[u.file];
         let mut block = RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some());
         let header = plan.header as u64;
         let mut fields = Vec::with_capacity(plan.fields);
@@ -641,13 +606,8 @@ impl Inner {
                 continue;
             }
             let index = u.row_base + line_no - 1 - header;
-            if !self.shard.owns(index) {
+            if !self.shard.owns(index) || !split.keeps(index + 1) {
                 continue;
-            }
-            if let (Some(want), Some(f)) = (want_eval, self.eval_fraction) {
-                if stream::is_eval_row(self.seed, index + 1, f) != want {
-                    continue;
-                }
             }
             let raw = if line_no == 1 { raw.strip_prefix(BOM).unwrap_or(raw) } else { raw };
             if raw.is_empty() {
@@ -666,10 +626,11 @@ impl Inner {
                     }
                     block.rows += 1;
                 }
-                Err(message) if self.config.on_bad_row == BadRowPolicy::Fail => {
-                    return Err(DataError::BadRow { file: plan.path.clone(), line: line_no, message });
-                }
-                Err(message) => block.skip(|| format!("{}:{line_no}: {message}", plan.path.display())),
+                Err(message) => block.bad_row(self.config.on_bad_row, || DataError::BadRow {
+                    file: plan.path.clone(),
+                    line: line_no,
+                    message,
+                })?,
             }
         }
         Ok(block)
@@ -702,10 +663,9 @@ impl Sampler for CsvSampler {
     /// Rows in file and line order; `epoch` does not change the order.
     fn batches(&self, split: Split, _epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
         let s = &self.inner;
-        let use_train = split == Split::Train || s.eval_fraction.is_some();
-        let want_eval = s.eval_fraction.map(|_| split == Split::Eval);
-        let plans = if use_train { &s.train } else { &s.eval };
-        let source = match plans.as_slice() {
+        let split = SplitRows::new(split, s.eval_fraction, s.seed);
+        let plans = split.files(&s.train, &s.eval);
+        let source = match plans {
             [] => String::new(),
             [one] => one.path.display().to_string(),
             [first, rest @ ..] => format!("{} and {} more files", first.path.display(), rest.len()),
@@ -720,18 +680,8 @@ impl Sampler for CsvSampler {
             failed: false,
         };
         let inner = Arc::clone(&self.inner);
-        let blocks = stream::ordered_map(
-            units,
-            s.config.num_workers,
-            || (),
-            move |_, u, stop| {
-                let plans = if use_train { &inner.train[..] } else { &inner.eval[..] };
-                inner.parse_chunk(plans, u, want_eval, stop)
-            },
-        );
-        let (nd, nl) = (s.schema.num_dense, s.label_names.len());
-        Ok(Batcher::new(blocks, source, s.schema.sparse.clone(), nd, nl, s.config.group.is_some(), batch_size)
-            .into_stream())
+        let parse = move |_: &mut (), u, stop: &AtomicBool| inner.parse_chunk(u, split, stop);
+        Ok(stream::read_batches(&s.schema, source, units, s.config.num_workers, || (), parse, batch_size))
     }
 }
 

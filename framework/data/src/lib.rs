@@ -15,6 +15,7 @@
 //! measures their throughput.
 
 pub mod bench;
+mod columns;
 pub mod criteo;
 pub mod criteo_binary;
 pub mod csv;

@@ -301,44 +301,72 @@ impl NpyReader {
         self.file.read_exact(&mut self.buf).map_err(|e| DataError::io(&self.path, e))
     }
 
-    /// Rows `start..start + rows` as `f64` (row-major), from any element type.
-    pub fn read_f64(&mut self, start: u64, rows: u64, out: &mut Vec<f64>) -> Result<(), DataError> {
+    /// Reads rows `start..start + rows` into `out`: the elements of 32 bits or fewer (a bool as
+    /// 0 or 1) through `small`, the others by `wide` (given the element type, the bytes and
+    /// whether they are big-endian; an `Err` message is about the file).
+    fn decode<T>(
+        &mut self,
+        start: u64,
+        rows: u64,
+        out: &mut Vec<T>,
+        small: impl Fn(i64) -> T,
+        wide: impl FnOnce(DType, &[u8], bool, &mut Vec<T>) -> Result<(), String>,
+    ) -> Result<(), DataError> {
         self.read_raw(start, rows)?;
         let big = self.header.big_endian;
         let b = &self.buf;
         out.clear();
         out.reserve(b.len() / self.header.dtype.size());
         match self.header.dtype {
-            DType::Bool => out.extend(b.iter().map(|&x| (x != 0) as u8 as f64)),
-            DType::I8 => out.extend(b.iter().map(|&x| x as i8 as f64)),
-            DType::U8 => out.extend(b.iter().map(|&x| x as f64)),
-            DType::I16 => decode!(b, big, i16, 2, out, |v| v as f64),
-            DType::U16 => decode!(b, big, u16, 2, out, |v| v as f64),
-            DType::I32 => decode!(b, big, i32, 4, out, |v| v as f64),
-            DType::U32 => decode!(b, big, u32, 4, out, |v| v as f64),
-            DType::I64 => decode!(b, big, i64, 8, out, |v| v as f64),
-            DType::U64 => decode!(b, big, u64, 8, out, |v| v as f64),
-            DType::F32 => decode!(b, big, f32, 4, out, |v| v as f64),
-            DType::F64 => decode!(b, big, f64, 8, out, |v| v),
+            DType::Bool => out.extend(b.iter().map(|&x| small((x != 0) as i64))),
+            DType::I8 => out.extend(b.iter().map(|&x| small(x as i8 as i64))),
+            DType::U8 => out.extend(b.iter().map(|&x| small(x as i64))),
+            DType::I16 => decode!(b, big, i16, 2, out, |v| small(v as i64)),
+            DType::U16 => decode!(b, big, u16, 2, out, |v| small(v as i64)),
+            DType::I32 => decode!(b, big, i32, 4, out, |v| small(v as i64)),
+            DType::U32 => decode!(b, big, u32, 4, out, |v| small(v as i64)),
+            t => wide(t, b, big, out).map_err(|m| format_err(&self.path, m))?,
         }
         Ok(())
     }
 
-    /// Rows `start..start + rows` as `f32` (row-major), from any element type.
+    /// Rows `start..start + rows` as `f64` (row-major), from any element type.
+    pub fn read_f64(&mut self, start: u64, rows: u64, out: &mut Vec<f64>) -> Result<(), DataError> {
+        self.decode(
+            start,
+            rows,
+            out,
+            |v| v as f64,
+            |t, b, big, out| {
+                match t {
+                    DType::I64 => decode!(b, big, i64, 8, out, |v| v as f64),
+                    DType::U64 => decode!(b, big, u64, 8, out, |v| v as f64),
+                    DType::F32 => decode!(b, big, f32, 4, out, |v| v as f64),
+                    _ => decode!(b, big, f64, 8, out, |v| v),
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// Rows `start..start + rows` as `f32` (row-major), from any element type (through `f64`,
+    /// but for `f32` elements).
     pub fn read_f32(&mut self, start: u64, rows: u64, out: &mut Vec<f32>) -> Result<(), DataError> {
-        if self.header.dtype == DType::F32 {
-            self.read_raw(start, rows)?;
-            let big = self.header.big_endian;
-            out.clear();
-            out.reserve(self.buf.len() / 4);
-            decode!(self.buf, big, f32, 4, out, |v| v);
-            return Ok(());
-        }
-        let mut wide = Vec::new();
-        self.read_f64(start, rows, &mut wide)?;
-        out.clear();
-        out.extend(wide.iter().map(|&v| v as f32));
-        Ok(())
+        self.decode(
+            start,
+            rows,
+            out,
+            |v| v as f64 as f32,
+            |t, b, big, out| {
+                match t {
+                    DType::I64 => decode!(b, big, i64, 8, out, |v| v as f64 as f32),
+                    DType::U64 => decode!(b, big, u64, 8, out, |v| v as f64 as f32),
+                    DType::F32 => decode!(b, big, f32, 4, out, |v| v),
+                    _ => decode!(b, big, f64, 8, out, |v| v as f32),
+                }
+                Ok(())
+            },
+        )
     }
 
     /// Rows `start..start + rows` as `i64` (row-major); only integer element types (a `u8`
@@ -347,32 +375,26 @@ impl NpyReader {
         if self.header.dtype.is_float() {
             return Err(format_err(&self.path, format!("expected integers, found {}", self.header.dtype.descr())));
         }
-        self.read_raw(start, rows)?;
-        let big = self.header.big_endian;
-        let b = &self.buf;
-        out.clear();
-        out.reserve(b.len() / self.header.dtype.size());
-        match self.header.dtype {
-            DType::Bool => out.extend(b.iter().map(|&x| (x != 0) as i64)),
-            DType::I8 => out.extend(b.iter().map(|&x| x as i8 as i64)),
-            DType::U8 => out.extend(b.iter().map(|&x| x as i64)),
-            DType::I16 => decode!(b, big, i16, 2, out, |v| v as i64),
-            DType::U16 => decode!(b, big, u16, 2, out, |v| v as i64),
-            DType::I32 => decode!(b, big, i32, 4, out, |v| v as i64),
-            DType::U32 => decode!(b, big, u32, 4, out, |v| v as i64),
-            DType::I64 => decode!(b, big, i64, 8, out, |v| v),
-            DType::U64 => {
-                for c in b.chunks_exact(8) {
-                    let a: [u8; 8] = c.try_into().expect("chunk size");
-                    let v = if big { u64::from_be_bytes(a) } else { u64::from_le_bytes(a) };
-                    let v = i64::try_from(v)
-                        .map_err(|_| format_err(&self.path, format!("value {v} does not fit in i64")))?;
-                    out.push(v);
+        self.decode(
+            start,
+            rows,
+            out,
+            |v| v,
+            |t, b, big, out| {
+                match t {
+                    DType::I64 => decode!(b, big, i64, 8, out, |v| v),
+                    DType::U64 => {
+                        for c in b.chunks_exact(8) {
+                            let a: [u8; 8] = c.try_into().expect("chunk size");
+                            let v = if big { u64::from_be_bytes(a) } else { u64::from_le_bytes(a) };
+                            out.push(i64::try_from(v).map_err(|_| format!("value {v} does not fit in i64"))?);
+                        }
+                    }
+                    _ => unreachable!("checked above"),
                 }
-            }
-            DType::F32 | DType::F64 => unreachable!("checked above"),
-        }
-        Ok(())
+                Ok(())
+            },
+        )
     }
 }
 
@@ -393,6 +415,63 @@ mod tests {
         for shape in [vec![123456, 26], vec![5, 1], vec![7], vec![0, 13]] {
             assert_eq!(header_bytes(DType::I64, &shape).len(), 128, "{shape:?}");
         }
+    }
+
+    #[test]
+    fn every_element_type_reads_as_f64_f32_and_i64() {
+        let dir = std::env::temp_dir().join(format!("trainrec-npy-types-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.npy");
+        let write = |dtype: DType, big: bool, bytes: Vec<u8>| {
+            let mut h = header_bytes(dtype, &[2]);
+            if big {
+                let at = h.windows(3).position(|w| w == format!("<{}", dtype.code()).as_bytes()).unwrap();
+                h[at] = b'>';
+            }
+            std::fs::write(&path, [h, bytes].concat()).unwrap();
+            NpyReader::open(&path).unwrap()
+        };
+        let big_i64 = (1i64 << 60) + 1;
+        let cases: Vec<(DType, Vec<u8>, [f64; 2])> = vec![
+            (DType::Bool, vec![0, 7], [0.0, 1.0]),
+            (DType::I8, vec![0xFF, 5], [-1.0, 5.0]),
+            (DType::U8, vec![0xFF, 5], [255.0, 5.0]),
+            (DType::I16, [(-300i16).to_le_bytes(), 2i16.to_le_bytes()].concat(), [-300.0, 2.0]),
+            (DType::U16, [60000u16.to_le_bytes(), 2u16.to_le_bytes()].concat(), [60000.0, 2.0]),
+            (DType::I32, [i32::MIN.to_le_bytes(), 2i32.to_le_bytes()].concat(), [i32::MIN as f64, 2.0]),
+            (DType::U32, [u32::MAX.to_le_bytes(), 2u32.to_le_bytes()].concat(), [u32::MAX as f64, 2.0]),
+            (DType::I64, [big_i64.to_le_bytes(), (-2i64).to_le_bytes()].concat(), [big_i64 as f64, -2.0]),
+            (DType::U64, [(big_i64 as u64).to_le_bytes(), 2u64.to_le_bytes()].concat(), [big_i64 as f64, 2.0]),
+            (DType::F32, [1.5f32.to_le_bytes(), (-0.25f32).to_le_bytes()].concat(), [1.5, -0.25]),
+            (DType::F64, [0.1f64.to_le_bytes(), 3.0f64.to_le_bytes()].concat(), [0.1, 3.0]),
+        ];
+        for (dtype, bytes, want) in cases {
+            let mut r = write(dtype, false, bytes);
+            let (mut f64s, mut f32s, mut i64s) = (Vec::new(), Vec::new(), Vec::new());
+            r.read_f64(0, 2, &mut f64s).unwrap();
+            r.read_f32(0, 2, &mut f32s).unwrap();
+            assert_eq!(f64s, want, "{dtype:?}");
+            assert_eq!(f32s, want.map(|v| v as f32), "{dtype:?}");
+            if dtype.is_float() {
+                assert!(r.read_i64(0, 2, &mut i64s).unwrap_err().to_string().contains("expected integers"));
+            } else {
+                r.read_i64(0, 2, &mut i64s).unwrap();
+                let exact = if matches!(dtype, DType::I64 | DType::U64) {
+                    vec![big_i64, want[1] as i64]
+                } else {
+                    want.map(|v| v as i64).to_vec()
+                };
+                assert_eq!(i64s, exact, "{dtype:?}");
+            }
+        }
+        let mut r = write(DType::U64, false, [u64::MAX.to_le_bytes(), 1u64.to_le_bytes()].concat());
+        let err = r.read_i64(0, 2, &mut Vec::new()).unwrap_err().to_string();
+        assert!(err.ends_with(&format!("value {} does not fit in i64", u64::MAX)), "{err}");
+        let mut r = write(DType::I16, true, [(-300i16).to_be_bytes(), 2i16.to_be_bytes()].concat());
+        let mut f64s = Vec::new();
+        r.read_f64(0, 2, &mut f64s).unwrap();
+        assert_eq!(f64s, [-300.0, 2.0]);
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -37,7 +37,8 @@ use ::parquet::schema::types::SchemaDescriptor;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::stream::{self, Batcher, RowBlock, Shard};
+use crate::columns::{ColumnIndexes, Role, column_keys};
+use crate::stream::{self, RowBlock, Shard, SplitRows};
 use crate::{BadRowPolicy, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 
 /// One label column or several (one per task of a multi-task job).
@@ -69,6 +70,16 @@ pub enum DenseTransform {
     None,
     /// `ln(1 + max(x, 0))`, as `criteo_tsv` does to Criteo's integer features.
     Log1p,
+}
+
+impl DenseTransform {
+    /// The transformed value `x`, as an `f32`.
+    pub fn apply(self, x: f64) -> f32 {
+        match self {
+            DenseTransform::None => x as f32,
+            DenseTransform::Log1p => x.max(0.0).ln_1p() as f32,
+        }
+    }
 }
 
 /// Parquet files, columns mapped to dense features, sparse id bags and labels.
@@ -122,13 +133,6 @@ mod defaults {
     pub fn num_workers() -> usize {
         1
     }
-}
-
-/// What a column is used for (decides the types it may have).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    Numeric,
-    Ids,
 }
 
 /// The leaf columns of one file the config's columns resolve to.
@@ -306,44 +310,22 @@ fn resolve(schema: &SchemaDescriptor, name: &str, role: Role, key: &str, path: &
     Ok(leaf)
 }
 
-fn plan(files: &[PathBuf], config: &ParquetConfig, labels: &[String]) -> Result<Vec<FilePlan>, DataError> {
+fn plan(files: &[PathBuf], config: &ParquetConfig) -> Result<Vec<FilePlan>, DataError> {
     let mut out = Vec::new();
     for path in files {
         let reader = open_file(path)?;
         let meta = reader.metadata();
         let schema = meta.file_metadata().schema_descr();
-        let dense = config
-            .dense
-            .iter()
-            .enumerate()
-            .map(|(i, c)| resolve(schema, c, Role::Numeric, &format!("dense[{i}]"), path))
-            .collect::<Result<_, _>>()?;
-        let sparse = config
-            .sparse
-            .iter()
-            .map(|(f, c)| resolve(schema, c, Role::Ids, &format!("sparse.{f}"), path))
-            .collect::<Result<_, _>>()?;
-        let label_key = |i: usize| {
-            if matches!(config.label, LabelColumns::One(_)) { "label".to_string() } else { format!("label[{i}]") }
-        };
-        let labels = labels
-            .iter()
-            .enumerate()
-            .map(|(i, c)| resolve(schema, c, Role::Numeric, &label_key(i), path))
-            .collect::<Result<_, _>>()?;
-        let group = match &config.group {
-            Some(g) => {
-                let leaf = resolve(schema, g, Role::Ids, "group", path)?;
-                if schema.column(leaf).max_rep_level() > 0 {
-                    return Err(DataError::config(
-                        "group",
-                        format!("group column {g:?} must hold one id per row, not a list"),
-                    ));
-                }
-                Some(leaf)
+        let ColumnIndexes { dense, sparse, labels, group } =
+            column_keys!(config).resolve(|name, role, key| resolve(schema, name, role, &key, path))?;
+        if let (Some(leaf), Some(g)) = (group, &config.group) {
+            if schema.column(leaf).max_rep_level() > 0 {
+                return Err(DataError::config(
+                    "group",
+                    format!("group column {g:?} must hold one id per row, not a list"),
+                ));
             }
-            None => None,
-        };
+        }
         let row_groups = meta.row_groups().iter().map(|rg| rg.num_rows().max(0) as u64).collect();
         out.push(FilePlan { path: path.clone(), dense, sparse, labels, group, row_groups });
     }
@@ -367,12 +349,7 @@ fn units(plans: &[FilePlan], shard: Shard) -> Vec<Unit> {
 impl ParquetSampler {
     /// The features a config produces (no file is read).
     pub fn feature_schema(config: &ParquetConfig) -> FeatureSchema {
-        FeatureSchema {
-            num_dense: config.dense.len(),
-            sparse: config.sparse.keys().cloned().collect(),
-            labels: config.label.names(),
-            grouping_key: config.group.clone(),
-        }
+        column_keys!(config).feature_schema()
     }
 
     /// Builds the sampler: expands the paths and checks every configured column against every
@@ -383,26 +360,11 @@ impl ParquetSampler {
         if config.paths.is_empty() {
             return Err(DataError::config("paths", "name at least one Parquet file, pattern or directory"));
         }
-        let label_names = config.label.names();
-        if label_names.is_empty() {
-            return Err(DataError::config("label", "name at least one label column"));
-        }
-        let eval_fraction = match (config.eval_fraction, config.eval_paths.is_empty()) {
-            (Some(_), false) => {
-                return Err(DataError::config("eval_fraction", "set either eval_paths or eval_fraction, not both"));
-            }
-            (Some(f), true) => Some(stream::check_fraction("eval_fraction", f)?),
-            (None, true) => Some(0.1),
-            (None, false) => None,
-        };
-        if !config.dense_default.is_finite() {
-            return Err(DataError::config("dense_default", "dense_default must be a finite number"));
-        }
+        let (label_names, eval_fraction) = column_keys!(config).check()?;
         let schema = Self::feature_schema(&config);
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
-        let train = plan(&expand(&ctx.base_dir, &config.paths, "paths", &["parquet"])?, &config, &label_names)?;
-        let eval =
-            plan(&expand(&ctx.base_dir, &config.eval_paths, "eval_paths", &["parquet"])?, &config, &label_names)?;
+        let train = plan(&expand(&ctx.base_dir, &config.paths, "paths", &["parquet"])?, &config)?;
+        let eval = plan(&expand(&ctx.base_dir, &config.eval_paths, "eval_paths", &["parquet"])?, &config)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
@@ -449,47 +411,45 @@ fn read_all<T: DataType>(
     Ok(got)
 }
 
+/// [`read_all`], each value converted by `f` into `out`.
+fn read_into<T: DataType, V>(
+    r: &mut ColumnReaderImpl<T>,
+    rows: usize,
+    def: &mut Vec<i16>,
+    rep: &mut Vec<i16>,
+    out: &mut Vec<V>,
+    f: impl Fn(&T::T) -> V,
+) -> ::parquet::errors::Result<usize> {
+    let mut values = Vec::with_capacity(rows);
+    let n = read_all(r, rows, def, rep, &mut values)?;
+    out.extend(values.iter().map(f));
+    Ok(n)
+}
+
 fn read_column(rg: &dyn RowGroupReader, leaf: usize, rows: usize) -> ::parquet::errors::Result<Column> {
     let descr = rg.metadata().schema_descr().column(leaf);
     let (max_def, max_rep) = (descr.max_def_level(), descr.max_rep_level());
     let (mut def, mut rep) = (Vec::with_capacity(rows), Vec::new());
     let (mut ints, mut floats, mut is_float) = (Vec::new(), Vec::new(), false);
     let got = match rg.get_column_reader(leaf)? {
-        ColumnReader::BoolColumnReader(mut r) => {
-            let mut v = Vec::with_capacity(rows);
-            let n = read_all(&mut r, rows, &mut def, &mut rep, &mut v)?;
-            ints = v.into_iter().map(|b| b as i64).collect();
-            n
-        }
+        ColumnReader::BoolColumnReader(mut r) => read_into(&mut r, rows, &mut def, &mut rep, &mut ints, |&b| b as i64)?,
         ColumnReader::Int32ColumnReader(mut r) => {
-            let mut v = Vec::with_capacity(rows);
-            let n = read_all(&mut r, rows, &mut def, &mut rep, &mut v)?;
-            ints = v.into_iter().map(|b| b as i64).collect();
-            n
+            read_into(&mut r, rows, &mut def, &mut rep, &mut ints, |&v| v as i64)?
         }
         ColumnReader::Int64ColumnReader(mut r) => read_all(&mut r, rows, &mut def, &mut rep, &mut ints)?,
         ColumnReader::FloatColumnReader(mut r) => {
-            let mut v = Vec::with_capacity(rows);
-            let n = read_all(&mut r, rows, &mut def, &mut rep, &mut v)?;
-            floats = v.into_iter().map(|b| b as f64).collect();
             is_float = true;
-            n
+            read_into(&mut r, rows, &mut def, &mut rep, &mut floats, |&v| v as f64)?
         }
         ColumnReader::DoubleColumnReader(mut r) => {
             is_float = true;
             read_all(&mut r, rows, &mut def, &mut rep, &mut floats)?
         }
         ColumnReader::ByteArrayColumnReader(mut r) => {
-            let mut v = Vec::new();
-            let n = read_all(&mut r, rows, &mut def, &mut rep, &mut v)?;
-            ints = v.iter().map(|b| string_id(b.data())).collect();
-            n
+            read_into(&mut r, rows, &mut def, &mut rep, &mut ints, |b| string_id(b.data()))?
         }
         ColumnReader::FixedLenByteArrayColumnReader(mut r) => {
-            let mut v = Vec::new();
-            let n = read_all(&mut r, rows, &mut def, &mut rep, &mut v)?;
-            ints = v.iter().map(|b| string_id(b.data())).collect();
-            n
+            read_into(&mut r, rows, &mut def, &mut rep, &mut ints, |b| string_id(b.data()))?
         }
         ColumnReader::Int96ColumnReader(_) => {
             return Err(::parquet::errors::ParquetError::General("INT96 columns are not supported".into()));
@@ -509,10 +469,11 @@ impl Column {
         if self.is_float { self.floats[k] } else { self.ints[k] as f64 }
     }
 
-    /// One optional number per row (for a non-repeated column).
-    fn scalars(&self, rows: usize) -> Vec<Option<f64>> {
+    /// One optional value per row (for a non-repeated column): `value(k)` of its `k`-th
+    /// non-null value.
+    fn per_row<T>(&self, rows: usize, value: impl Fn(usize) -> T) -> Vec<Option<T>> {
         if self.max_def == 0 {
-            return (0..rows).map(|k| Some(self.value(k))).collect();
+            return (0..rows).map(|k| Some(value(k))).collect();
         }
         let mut k = 0;
         self.def
@@ -520,27 +481,20 @@ impl Column {
             .map(|&d| {
                 (d == self.max_def).then(|| {
                     k += 1;
-                    self.value(k - 1)
+                    value(k - 1)
                 })
             })
             .collect()
     }
 
+    /// One optional number per row (for a non-repeated column).
+    fn scalars(&self, rows: usize) -> Vec<Option<f64>> {
+        self.per_row(rows, |k| self.value(k))
+    }
+
     /// One optional integer per row (for a non-repeated id column).
     fn scalar_ids(&self, rows: usize) -> Vec<Option<i64>> {
-        if self.max_def == 0 {
-            return self.ints[..rows].iter().map(|&v| Some(v)).collect();
-        }
-        let mut k = 0;
-        self.def
-            .iter()
-            .map(|&d| {
-                (d == self.max_def).then(|| {
-                    k += 1;
-                    self.ints[k - 1]
-                })
-            })
-            .collect()
+        self.per_row(rows, |k| self.ints[k])
     }
 
     /// The ids of each row: (all ids, start offset of each row, `rows + 1` entries).
@@ -576,15 +530,15 @@ impl Column {
 type OpenFile = Option<(usize, SerializedFileReader<File>)>;
 
 impl Inner {
+    /// Reads the rows of `u` (a row group of `split`'s files) that belong to `split`.
     fn read_unit(
         &self,
         open: &mut OpenFile,
-        plans: &[FilePlan],
         u: Unit,
-        want_eval: Option<bool>,
+        split: SplitRows,
         stop: &AtomicBool,
     ) -> Result<RowBlock, DataError> {
-        let plan = &plans[u.file];
+        let plan = &split.files(&self.train, &self.eval)[u.file];
         if open.as_ref().is_none_or(|(f, _)| *f != u.file) {
             *open = Some((u.file, open_file(&plan.path)?));
         }
@@ -616,16 +570,9 @@ impl Inner {
         let c = &self.config;
         let mut block = RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some());
         'rows: for r in 0..rows {
-            if let (Some(want), Some(f)) = (want_eval, self.eval_fraction) {
-                if stream::is_eval_row(self.seed, u.first_row + r as u64 + 1, f) != want {
-                    continue;
-                }
+            if !split.keeps(u.first_row + r as u64 + 1) {
+                continue;
             }
-            let bad = |message: String| DataError::BadRecord {
-                file: plan.path.clone(),
-                location: format!("row group {}, row {r}", u.row_group),
-                message,
-            };
             let mut problem = None;
             for (j, col) in label_cols.iter().enumerate() {
                 match col[r] {
@@ -650,22 +597,15 @@ impl Inner {
                 problem = Some(format!("group column {:?} is null", c.group.as_deref().unwrap_or_default()));
             }
             if let Some(message) = problem {
-                if c.on_bad_row == BadRowPolicy::Fail {
-                    return Err(bad(message));
-                }
                 let location = format!("row group {}, row {r}", u.row_group);
-                block.skip(|| format!("{}: {location}: {message}", plan.path.display()));
+                block.bad_row(c.on_bad_row, || DataError::BadRecord { file: plan.path.clone(), location, message })?;
                 continue 'rows;
             }
             for col in &label_cols {
                 block.labels.push(col[r].unwrap_or_default() as f32);
             }
             for col in &dense_cols {
-                let v = col[r].unwrap_or(c.dense_default as f64);
-                block.dense.push(match c.dense_transform {
-                    DenseTransform::None => v as f32,
-                    DenseTransform::Log1p => v.max(0.0).ln_1p() as f32,
-                });
+                block.dense.push(c.dense_transform.apply(col[r].unwrap_or(c.dense_default as f64)));
             }
             for ((bags, (values, offsets)), &rows_f) in block.bags.iter_mut().zip(&sparse_cols).zip(&self.rows) {
                 let ids = &values[offsets[r]..offsets[r + 1]];
@@ -694,24 +634,13 @@ impl Sampler for ParquetSampler {
     /// Rows in file and row-group order; `epoch` does not change the order.
     fn batches(&self, split: Split, _epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
         let s = &self.inner;
-        let use_train = split == Split::Train || s.eval_fraction.is_some();
-        let want_eval = s.eval_fraction.map(|_| split == Split::Eval);
-        let plans = if use_train { &s.train } else { &s.eval };
+        let split = SplitRows::new(split, s.eval_fraction, s.seed);
+        let plans = split.files(&s.train, &s.eval);
         let source = plans.first().map_or_else(String::new, |p| p.path.display().to_string());
         let work = units(plans, s.shard).into_iter().map(Ok);
         let inner = Arc::clone(&self.inner);
-        let blocks = stream::ordered_map(
-            work,
-            s.config.num_workers,
-            || None,
-            move |open: &mut OpenFile, u, stop| {
-                let plans = if use_train { &inner.train[..] } else { &inner.eval[..] };
-                inner.read_unit(open, plans, u, want_eval, stop)
-            },
-        );
-        let (nd, nl) = (s.schema.num_dense, s.label_names.len());
-        Ok(Batcher::new(blocks, source, s.schema.sparse.clone(), nd, nl, s.config.group.is_some(), batch_size)
-            .into_stream())
+        let read = move |open: &mut OpenFile, u, stop: &AtomicBool| inner.read_unit(open, u, split, stop);
+        Ok(stream::read_batches(&s.schema, source, work, s.config.num_workers, || None, read, batch_size))
     }
 }
 

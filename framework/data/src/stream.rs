@@ -25,7 +25,7 @@ use std::thread::JoinHandle;
 
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{Batch, BatchStream, DataError, SamplerContext};
+use crate::{BadRowPolicy, Batch, BatchStream, DataError, FeatureSchema, SamplerContext, Split};
 
 /// Parsed chunks each worker may queue ahead of the consumer.
 pub const QUEUE_DEPTH: usize = 2;
@@ -368,6 +368,16 @@ impl RowBlock {
             self.bad.push(what());
         }
     }
+
+    /// A bad row under `policy`: `Fail` returns `error()`, `Skip` skips the row, logged as the
+    /// error reads.
+    pub fn bad_row(&mut self, policy: BadRowPolicy, error: impl FnOnce() -> DataError) -> Result<(), DataError> {
+        if policy == BadRowPolicy::Fail {
+            return Err(error());
+        }
+        self.skip(|| error().to_string());
+        Ok(())
+    }
 }
 
 /// Where to log skipped rows.
@@ -529,6 +539,83 @@ pub fn check_fraction(key: &str, value: f64) -> Result<f64, DataError> {
         return Err(DataError::config(key, format!("{key} must be in [0, 1), found {value}")));
     }
     Ok(value)
+}
+
+/// The hash-split fraction of a sampler whose eval split is either files of its own
+/// (`has_eval_files`; `eval_key` names them in the error for setting both) or the
+/// `eval_fraction` of its training rows (checked; 0.1 when unset): `None` with eval files.
+pub fn eval_fraction(
+    eval_fraction: Option<f64>,
+    has_eval_files: bool,
+    eval_key: &str,
+) -> Result<Option<f64>, DataError> {
+    match (eval_fraction, has_eval_files) {
+        (Some(_), true) => {
+            Err(DataError::config("eval_fraction", format!("set either {eval_key} or eval_fraction, not both")))
+        }
+        (Some(f), false) => Ok(Some(check_fraction("eval_fraction", f)?)),
+        (None, false) => Ok(Some(0.1)),
+        (None, true) => Ok(None),
+    }
+}
+
+/// What one split reads, for a sampler whose eval split is either files of its own or, with an
+/// eval fraction, the rows of its training files that [`is_eval_row`] holds out.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SplitRows {
+    /// Whether the split reads the training files (the eval split does when it is hashed out of
+    /// them).
+    train_files: bool,
+    /// With a hash split: the eval fraction, and whether this is its eval side.
+    hashed: Option<(f64, bool)>,
+    seed: u64,
+}
+
+impl SplitRows {
+    /// `split` of a sampler that hashes its rows with `seed` (`eval_fraction = None`: the eval
+    /// split is files of its own).
+    pub fn new(split: Split, eval_fraction: Option<f64>, seed: u64) -> Self {
+        Self {
+            train_files: split == Split::Train || eval_fraction.is_some(),
+            hashed: eval_fraction.map(|f| (f, split == Split::Eval)),
+            seed,
+        }
+    }
+
+    /// `train` or `eval`, whichever files the split reads.
+    pub fn files<'a, P>(&self, train: &'a [P], eval: &'a [P]) -> &'a [P] {
+        if self.train_files { train } else { eval }
+    }
+
+    /// Whether the row with 1-based `number` (counted across the files) is in the split: every
+    /// row of eval files of its own, else the rows whose eval hash falls on the split's side.
+    pub fn keeps(&self, number: u64) -> bool {
+        self.hashed.is_none_or(|(f, eval)| is_eval_row(self.seed, number, f) == eval)
+    }
+}
+
+/// The batches of one pass, read in parallel: [`ordered_map`] runs `parse` over `units` on
+/// `num_workers` threads (each with its own state from `init`) and a [`Batcher`] cuts the
+/// blocks, in unit order, into batches of `batch_size` with `schema`'s features (`source` names
+/// the data in the skipped-rows log).
+pub fn read_batches<U, S, I, F>(
+    schema: &FeatureSchema,
+    source: String,
+    units: I,
+    num_workers: usize,
+    init: impl Fn() -> S + Send + Sync + 'static,
+    parse: F,
+    batch_size: usize,
+) -> BatchStream
+where
+    U: Send + 'static,
+    S: 'static,
+    I: Iterator<Item = Result<U, DataError>> + Send + 'static,
+    F: Fn(&mut S, U, &AtomicBool) -> Result<RowBlock, DataError> + Send + Sync + 'static,
+{
+    let blocks = ordered_map(units, num_workers, init, parse);
+    let (num_dense, num_labels, grouped) = (schema.num_dense, schema.labels.len(), schema.grouping_key.is_some());
+    Batcher::new(blocks, source, schema.sparse.clone(), num_dense, num_labels, grouped, batch_size).into_stream()
 }
 
 /// A stable 64-bit hash of bytes (FNV-1a, then a SplitMix64 finalizer): string ids hash to the
@@ -702,6 +789,38 @@ mod tests {
         assert_eq!(all_a, (0..10).collect::<Vec<i64>>());
         let want_b: Vec<Vec<i64>> = (0..10).map(|v| (0..v % 3).map(|j| 100 * v + j).collect()).collect();
         assert_eq!(all_b, want_b);
+    }
+
+    #[test]
+    fn split_rows_pick_files_and_partition_hashed_rows() {
+        let (train, eval) = (SplitRows::new(Split::Train, Some(0.3), 7), SplitRows::new(Split::Eval, Some(0.3), 7));
+        assert_eq!((train.files(&[1], &[2]), eval.files(&[1], &[2])), (&[1][..], &[1][..]));
+        for n in 1..500 {
+            assert_eq!(eval.keeps(n), is_eval_row(7, n, 0.3));
+            assert_ne!(train.keeps(n), eval.keeps(n));
+        }
+        let own = SplitRows::new(Split::Eval, None, 7);
+        assert_eq!(own.files(&[1], &[2]), &[2][..]);
+        assert!((1..500).all(|n| own.keeps(n) && SplitRows::new(Split::Train, None, 7).keeps(n)));
+        assert_eq!(eval_fraction(None, false, "eval").unwrap(), Some(0.1));
+        assert_eq!(eval_fraction(None, true, "eval").unwrap(), None);
+        assert_eq!(eval_fraction(Some(0.5), false, "eval").unwrap(), Some(0.5));
+        let err = eval_fraction(Some(0.5), true, "eval_paths").unwrap_err();
+        assert_eq!(err.to_string(), "set either eval_paths or eval_fraction, not both");
+        assert!(eval_fraction(Some(1.0), false, "eval").is_err());
+    }
+
+    #[test]
+    fn bad_rows_fail_or_skip_as_the_error_reads() {
+        let err = || DataError::BadRow { file: "f.csv".into(), line: 3, message: "bad".into() };
+        let mut block = RowBlock::default();
+        assert_eq!(block.bad_row(BadRowPolicy::Fail, err).unwrap_err().to_string(), "f.csv:3: bad");
+        assert_eq!(block.skipped, 0);
+        for _ in 0..BAD_ROWS_LOGGED + 2 {
+            block.bad_row(BadRowPolicy::Skip, err).unwrap();
+        }
+        assert_eq!(block.skipped, BAD_ROWS_LOGGED + 2);
+        assert_eq!(block.bad, vec!["f.csv:3: bad".to_string(); BAD_ROWS_LOGGED as usize]);
     }
 
     #[test]
