@@ -18,7 +18,7 @@ use tch::{Tensor, nn, nn::Module};
 use trainrec_recipe::Diagnostic;
 
 use crate::mlp::{self, mlp};
-use crate::{DenseModel, ModelError, ModelFactory, ModelInputs};
+use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DeepFM as TorchRec's `SimpleDeepFMNN`: a factorization machine and a deep MLP over the
 /// dense-arch output and every pooled embedding. `[model]` with `kind = "deepfm"`.
@@ -56,7 +56,7 @@ fn fm_cross_term(x: &Tensor) -> Tensor {
 
 impl DeepFm {
     /// Builds the parameters under `vs` for `num_sparse` pooled embeddings of dim `dim` and
-    /// `num_tasks` logits; `config` must have passed [`DeepFmFactory::check`].
+    /// `num_tasks` logits; `config` must have passed [`crate::TypedModel::check`].
     pub fn new(
         vs: &nn::Path,
         config: &DeepFmConfig,
@@ -85,22 +85,14 @@ impl DenseModel for DeepFm {
     }
 }
 
-/// Registers DeepFM as `kind = "deepfm"`.
-pub struct DeepFmFactory;
+/// Registers DeepFM as `kind = "deepfm"`, through the same typed API a plugin uses.
+pub type DeepFmFactory = crate::TypedModelFactory<DeepFm>;
 
-impl ModelFactory for DeepFmFactory {
-    fn kind(&self) -> &'static str {
-        "deepfm"
-    }
+impl crate::TypedModel for DeepFm {
+    type Config = DeepFmConfig;
+    const KIND: &'static str = "deepfm";
 
-    fn config_schema(&self) -> serde_json::Value {
-        serde_json::to_value(schemars::schema_for!(DeepFmConfig)).expect("schema serializes")
-    }
-
-    fn check(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
-        let Ok(cfg) = serde_json::from_value::<DeepFmConfig>(config.clone()) else {
-            return Vec::new(); // structural problems are reported by the schema check
-        };
+    fn check(cfg: &DeepFmConfig, inputs: &ModelInputs) -> Vec<Diagnostic> {
         let mut out = Vec::new();
         mlp::check_positive("hidden_layer_size", cfg.hidden_layer_size, "the dense arch's hidden layer", &mut out);
         mlp::check_positive("deep_fm_dimension", cfg.deep_fm_dimension, "the deep part's output size", &mut out);
@@ -126,25 +118,16 @@ impl ModelFactory for DeepFmFactory {
         out
     }
 
-    fn build(
-        &self,
-        vs: &nn::Path,
-        config: &serde_json::Value,
-        inputs: &ModelInputs,
-    ) -> Result<Box<dyn DenseModel>, ModelError> {
-        let cfg: DeepFmConfig = mlp::parse(config)?;
-        let problems = self.check(config, inputs);
-        if !problems.is_empty() {
-            return Err(ModelError::Config(problems));
-        }
+    fn build(vs: &nn::Path, cfg: &DeepFmConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
         let dim = inputs.sparse.first().map_or(0, |(_, d)| *d);
-        Ok(Box::new(DeepFm::new(vs, &cfg, inputs.num_dense, inputs.sparse.len(), dim, inputs.num_tasks)))
+        Ok(DeepFm::new(vs, cfg, inputs.num_dense, inputs.sparse.len(), dim, inputs.num_tasks))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ModelFactory;
     use trainrec_recipe::KeyPath;
 
     fn inputs(dims: &[usize]) -> ModelInputs {
@@ -216,7 +199,7 @@ mod tests {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let two = ModelInputs { num_tasks: 2, ..inputs(&[4, 4, 4]) };
         let cfg = serde_json::json!({"hidden_layer_size": 5, "deep_fm_dimension": 6});
-        let m = DeepFmFactory.build(&vs.root(), &cfg, &two).map_err(|e| e.to_string()).unwrap();
+        let m = DeepFmFactory::default().build(&vs.root(), &cfg, &two).map_err(|e| e.to_string()).unwrap();
         let vars = vs.variables();
         assert_eq!(vars["deep_fm.layer0.weight"].size(), [6, 16]);
         assert_eq!(vars["over_arch.layer0.weight"].size(), [2, 4 + 6 + 1]);
@@ -228,19 +211,22 @@ mod tests {
     #[test]
     fn check_names_the_keys() {
         let ok = serde_json::json!({"hidden_layer_size": 8, "deep_fm_dimension": 4});
-        assert!(DeepFmFactory.check(&ok, &inputs(&[4, 4])).is_empty());
+        assert!(DeepFmFactory::default().check(&ok, &inputs(&[4, 4])).is_empty());
         let bad = serde_json::json!({"hidden_layer_size": 0, "deep_fm_dimension": 0});
-        let problems = DeepFmFactory.check(&bad, &inputs(&[4, 5, 4, 3]));
+        let problems = DeepFmFactory::default().check(&bad, &inputs(&[4, 5, 4, 3]));
         let keys: Vec<String> = problems.iter().map(|d| d.key.to_string()).collect();
         assert_eq!(keys, vec!["model.hidden_layer_size", "model.deep_fm_dimension", "tables[1].dim", "tables[3].dim"]);
         assert!(problems.iter().all(|d| d.help.is_some()), "{problems:?}");
         assert!(problems[2].message.contains("\"f0\" has dim 4"), "{}", problems[2].message);
         let none = ModelInputs { num_dense: 0, ..inputs(&[]) };
-        let keys: Vec<String> = DeepFmFactory.check(&ok, &none).iter().map(|d| d.key.to_string()).collect();
+        let keys: Vec<String> = DeepFmFactory::default().check(&ok, &none).iter().map(|d| d.key.to_string()).collect();
         assert_eq!(keys, vec!["tables", "model"]);
         let vs = nn::VarStore::new(tch::Device::Cpu);
-        assert!(matches!(DeepFmFactory.build(&vs.root(), &bad, &inputs(&[4])), Err(ModelError::Config(_))));
+        assert!(matches!(DeepFmFactory::default().build(&vs.root(), &bad, &inputs(&[4])), Err(ModelError::Config(_))));
         let unknown = serde_json::json!({"hidden_layer_size": 8, "deep_fm_dim": 4});
-        assert!(matches!(DeepFmFactory.build(&vs.root(), &unknown, &inputs(&[4])), Err(ModelError::Config(_))));
+        assert!(matches!(
+            DeepFmFactory::default().build(&vs.root(), &unknown, &inputs(&[4])),
+            Err(ModelError::Config(_))
+        ));
     }
 }

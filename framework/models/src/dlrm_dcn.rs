@@ -12,7 +12,7 @@ use tch::{Tensor, nn, nn::Module};
 use trainrec_recipe::Diagnostic;
 
 use crate::mlp::{self, mlp};
-use crate::{DenseModel, ModelError, ModelFactory, ModelInputs};
+use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DLRM with a DCN-v2 low-rank cross network (TorchRec's `DLRM_DCN`) in place of the dot
 /// interactions. `[model]` with `kind = "dlrm_dcn"`.
@@ -56,7 +56,7 @@ pub struct DlrmDcn {
 }
 
 impl DlrmDcn {
-    /// Builds the parameters under `vs`; `config` must have passed [`DlrmDcnFactory::check`].
+    /// Builds the parameters under `vs`; `config` must have passed [`crate::TypedModel::check`].
     /// Initialization follows TorchRec: PyTorch's default for the linear layers, Xavier-normal
     /// cross kernels and zero cross biases.
     pub fn new(vs: &nn::Path, config: &DlrmDcnConfig, num_dense: usize, num_sparse: usize) -> Self {
@@ -103,22 +103,14 @@ impl DenseModel for DlrmDcn {
     }
 }
 
-/// Registers DLRM-DCN as `kind = "dlrm_dcn"`.
-pub struct DlrmDcnFactory;
+/// Registers DLRM-DCN as `kind = "dlrm_dcn"`, through the same typed API a plugin uses.
+pub type DlrmDcnFactory = crate::TypedModelFactory<DlrmDcn>;
 
-impl ModelFactory for DlrmDcnFactory {
-    fn kind(&self) -> &'static str {
-        "dlrm_dcn"
-    }
+impl crate::TypedModel for DlrmDcn {
+    type Config = DlrmDcnConfig;
+    const KIND: &'static str = "dlrm_dcn";
 
-    fn config_schema(&self) -> serde_json::Value {
-        serde_json::to_value(schemars::schema_for!(DlrmDcnConfig)).expect("schema serializes")
-    }
-
-    fn check(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
-        let Ok(cfg) = serde_json::from_value::<DlrmDcnConfig>(config.clone()) else {
-            return Vec::new(); // structural problems are reported by the schema check
-        };
+    fn check(cfg: &DlrmDcnConfig, inputs: &ModelInputs) -> Vec<Diagnostic> {
         let mut out = Vec::new();
         mlp::check_layer_sizes("dense_arch", &cfg.dense_arch, 1, None, &mut out);
         // TorchRec's OverArch is an MLP of all sizes but the last plus a final linear layer,
@@ -135,24 +127,15 @@ impl ModelFactory for DlrmDcnFactory {
         out
     }
 
-    fn build(
-        &self,
-        vs: &nn::Path,
-        config: &serde_json::Value,
-        inputs: &ModelInputs,
-    ) -> Result<Box<dyn DenseModel>, ModelError> {
-        let cfg: DlrmDcnConfig = mlp::parse(config)?;
-        let problems = self.check(config, inputs);
-        if !problems.is_empty() {
-            return Err(ModelError::Config(problems));
-        }
-        Ok(Box::new(DlrmDcn::new(vs, &cfg, inputs.num_dense, inputs.sparse.len())))
+    fn build(vs: &nn::Path, cfg: &DlrmDcnConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
+        Ok(DlrmDcn::new(vs, cfg, inputs.num_dense, inputs.sparse.len()))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ModelFactory;
     use trainrec_recipe::KeyPath;
 
     fn inputs(dims: &[usize], num_tasks: usize) -> ModelInputs {
@@ -246,10 +229,10 @@ mod tests {
     fn check_names_the_keys() {
         let ok =
             serde_json::json!({"dense_arch": [8, 4], "over_arch": [8, 1], "dcn_num_layers": 2, "dcn_low_rank_dim": 2});
-        assert!(DlrmDcnFactory.check(&ok, &inputs(&[4, 4], 1)).is_empty());
+        assert!(DlrmDcnFactory::default().check(&ok, &inputs(&[4, 4], 1)).is_empty());
         let bad =
             serde_json::json!({"dense_arch": [8, 0, 4], "over_arch": [2], "dcn_num_layers": 2, "dcn_low_rank_dim": 0});
-        let problems = DlrmDcnFactory.check(&bad, &inputs(&[4, 5], 1));
+        let problems = DlrmDcnFactory::default().check(&bad, &inputs(&[4, 5], 1));
         let keys: Vec<String> = problems.iter().map(|d| d.key.to_string()).collect();
         assert_eq!(
             keys,
@@ -269,7 +252,7 @@ mod tests {
         assert!(problems[4].message.contains("DLRM-DCN"), "{}", problems[4].message);
         // Two tasks need two logits; no tables or dense features at all is an error too.
         let none = ModelInputs { num_dense: 0, ..inputs(&[], 2) };
-        let problems = DlrmDcnFactory.check(&ok, &none);
+        let problems = DlrmDcnFactory::default().check(&ok, &none);
         let keys: Vec<String> = problems.iter().map(|d| d.key.to_string()).collect();
         assert_eq!(keys, vec!["model.over_arch[1]", "tables", "model"]);
         assert!(problems[0].message.contains("size 2 (one logit per task)"), "{}", problems[0].message);
@@ -279,14 +262,17 @@ mod tests {
     fn build_reports_diagnostics_instead_of_panicking() {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let bad = serde_json::json!({"dense_arch": [], "over_arch": [1], "dcn_num_layers": 1, "dcn_low_rank_dim": 0});
-        match DlrmDcnFactory.build(&vs.root(), &bad, &inputs(&[4], 1)) {
+        match DlrmDcnFactory::default().build(&vs.root(), &bad, &inputs(&[4], 1)) {
             Err(ModelError::Config(d)) => assert!(!d.is_empty()),
             Err(e) => panic!("unexpected error {e}"),
             Ok(_) => panic!("built an invalid model"),
         }
         let unknown = serde_json::json!({"dense_arch": [4], "over_arch": [4, 1], "dcn_layers": 1});
-        assert!(matches!(DlrmDcnFactory.build(&vs.root(), &unknown, &inputs(&[4], 1)), Err(ModelError::Config(_))));
-        let schema = DlrmDcnFactory.config_schema();
+        assert!(matches!(
+            DlrmDcnFactory::default().build(&vs.root(), &unknown, &inputs(&[4], 1)),
+            Err(ModelError::Config(_))
+        ));
+        let schema = DlrmDcnFactory::default().config_schema();
         assert!(schema["properties"]["dcn_low_rank_dim"]["description"].is_string(), "{schema}");
     }
 }

@@ -91,6 +91,75 @@ pub trait Retrieval {
     fn candidate_embeddings(&self, sparse: &Tensor) -> Tensor;
 }
 
+/// A model with a typed config: implement this (and [`DenseModel`]) and register it with
+/// `Registry::model::<M>()`; [`TypedModelFactory`] derives the schema, parses the `[model]`
+/// table into [`TypedModel::Config`] (errors name the full key, e.g. `model.tower[2]`), and
+/// calls [`TypedModel::check`] before [`TypedModel::build`]. The built-in models are typed
+/// models too.
+pub trait TypedModel: DenseModel + Sized + 'static {
+    /// The model's typed config (`deny_unknown_fields`, a doc comment on every field; the
+    /// struct's own doc comment is the model's one-line description in `trainrec list`).
+    type Config: serde::de::DeserializeOwned + schemars::JsonSchema;
+    /// The `kind` it registers under.
+    const KIND: &'static str;
+    /// Problems of a parsed config against the job's inputs, with full recipe keys
+    /// (`model.<key>`, `tables[i].dim`). The default finds none.
+    fn check(_config: &Self::Config, _inputs: &ModelInputs) -> Vec<Diagnostic> {
+        Vec::new()
+    }
+    /// Builds the parameters under `vs`; `config` has passed [`TypedModel::check`].
+    fn build(vs: &nn::Path, config: &Self::Config, inputs: &ModelInputs) -> Result<Self, ModelError>;
+}
+
+/// The [`ModelFactory`] of a [`TypedModel`].
+pub struct TypedModelFactory<M>(std::marker::PhantomData<fn() -> M>);
+
+impl<M> Default for TypedModelFactory<M> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<M: TypedModel> TypedModelFactory<M> {
+    fn parse(config: &serde_json::Value) -> Result<M::Config, Diagnostic> {
+        serde_path_to_error::deserialize(config).map_err(|e| {
+            let mut key = KeyPath::root().key("model");
+            if let Some(sub) = KeyPath::parse(&e.path().to_string()) {
+                key.0.extend(sub.0);
+            }
+            Diagnostic::new(key, e.inner().to_string())
+        })
+    }
+}
+
+impl<M: TypedModel> ModelFactory for TypedModelFactory<M> {
+    fn kind(&self) -> &'static str {
+        M::KIND
+    }
+    fn config_schema(&self) -> serde_json::Value {
+        serde_json::to_value(schemars::schema_for!(M::Config)).expect("schema serializes")
+    }
+    fn check(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
+        match Self::parse(config) {
+            Ok(c) => M::check(&c, inputs),
+            Err(d) => vec![d],
+        }
+    }
+    fn build(
+        &self,
+        vs: &nn::Path,
+        config: &serde_json::Value,
+        inputs: &ModelInputs,
+    ) -> Result<Box<dyn DenseModel>, ModelError> {
+        let config = Self::parse(config).map_err(|d| ModelError::Config(vec![d]))?;
+        let problems = M::check(&config, inputs);
+        if !problems.is_empty() {
+            return Err(ModelError::Config(problems));
+        }
+        Ok(Box::new(M::build(vs, &config, inputs)?))
+    }
+}
+
 /// Builds a dense model from its recipe section (`[model]`, `kind` removed).
 pub trait ModelFactory: Send + Sync {
     /// The `kind` this factory registers under.

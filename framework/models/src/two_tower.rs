@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor, nn, nn::Module};
 use trainrec_recipe::{Diagnostic, FeatureRef};
 
-use crate::mlp::{check_layer_sizes, mlp, model_key, parse};
-use crate::{DenseModel, LossInput, ModelError, ModelFactory, ModelInputs, Retrieval};
+use crate::mlp::{check_layer_sizes, mlp, model_key};
+use crate::{DenseModel, LossInput, ModelError, ModelInputs, Retrieval};
 
 /// Two-tower retrieval: query and candidate towers over their own features, dot-product
 /// scores, in-batch softmax training. `[model]` with `kind = "two_tower"`.
@@ -132,7 +132,7 @@ fn columns(inputs: &ModelInputs, names: &[String]) -> Vec<i64> {
 }
 
 impl TwoTower {
-    /// Builds the parameters under `vs`; `config` must have passed [`TwoTowerFactory::check`].
+    /// Builds the parameters under `vs`; `config` must have passed [`crate::TypedModel::check`].
     pub fn new(vs: &nn::Path, config: &TwoTowerConfig, inputs: &ModelInputs) -> Self {
         let q = columns(inputs, &config.query_features);
         let c = columns(inputs, &config.candidate_features);
@@ -235,8 +235,9 @@ impl DenseModel for TwoTower {
     }
 }
 
-/// Registers the two-tower model as `kind = "two_tower"`.
-pub struct TwoTowerFactory;
+/// Registers the two-tower model as `kind = "two_tower"`, through the same typed API a plugin
+/// uses.
+pub type TwoTowerFactory = crate::TypedModelFactory<TwoTower>;
 
 impl TwoTowerFactory {
     fn problems(cfg: &TwoTowerConfig, inputs: &ModelInputs) -> Vec<Diagnostic> {
@@ -297,34 +298,16 @@ impl TwoTowerFactory {
     }
 }
 
-impl ModelFactory for TwoTowerFactory {
-    fn kind(&self) -> &'static str {
-        "two_tower"
+impl crate::TypedModel for TwoTower {
+    type Config = TwoTowerConfig;
+    const KIND: &'static str = "two_tower";
+
+    fn check(cfg: &TwoTowerConfig, inputs: &ModelInputs) -> Vec<Diagnostic> {
+        TwoTowerFactory::problems(cfg, inputs)
     }
 
-    fn config_schema(&self) -> serde_json::Value {
-        serde_json::to_value(schemars::schema_for!(TwoTowerConfig)).expect("schema serializes")
-    }
-
-    fn check(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
-        match serde_json::from_value::<TwoTowerConfig>(config.clone()) {
-            Ok(cfg) => Self::problems(&cfg, inputs),
-            Err(_) => Vec::new(), // structural problems are reported by the schema check
-        }
-    }
-
-    fn build(
-        &self,
-        vs: &nn::Path,
-        config: &serde_json::Value,
-        inputs: &ModelInputs,
-    ) -> Result<Box<dyn DenseModel>, ModelError> {
-        let cfg: TwoTowerConfig = parse(config)?;
-        let problems = Self::problems(&cfg, inputs);
-        if !problems.is_empty() {
-            return Err(ModelError::Config(problems));
-        }
-        Ok(Box::new(TwoTower::new(vs, &cfg, inputs)))
+    fn build(vs: &nn::Path, cfg: &TwoTowerConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
+        Ok(TwoTower::new(vs, cfg, inputs))
     }
 }
 

@@ -116,7 +116,7 @@ fn dlrm_dcn_matches_torchrec() {
         ("over_arch.layer1.weight", "over_arch.model.1.weight"),
         ("over_arch.layer1.bias", "over_arch.model.1.bias"),
     ];
-    let _ = check_parity(&DlrmDcnFactory, &fx, &names);
+    let _ = check_parity(&DlrmDcnFactory::default(), &fx, &names);
 }
 
 #[test]
@@ -132,7 +132,7 @@ fn deepfm_matches_torchrec() {
         ("over_arch.layer0.weight", "over_arch.model.0.weight"),
         ("over_arch.layer0.bias", "over_arch.model.0.bias"),
     ];
-    let logits = check_parity(&DeepFmFactory, &fx, &names);
+    let logits = check_parity(&DeepFmFactory::default(), &fx, &names);
     // TorchRec's SimpleDeepFMNN returns sigmoid(logits); ours returns the logits.
     let probabilities = fx.probabilities.as_ref().expect("deepfm fixture has probabilities");
     assert_close("sigmoid(logits)", &logits.sigmoid(), probabilities);

@@ -11,11 +11,10 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use tch::nn;
 use trainrec_data::{DataError, FeatureSchema, Sampler, SamplerContext};
 use trainrec_metrics::{Metric, MetricError};
-use trainrec_models::{DenseModel, ModelError, ModelFactory, ModelInputs};
-use trainrec_recipe::{Diagnostic, KeyPath};
+use trainrec_models::ModelFactory;
+pub use trainrec_models::{TypedModel, TypedModelFactory};
 
 /// Builds a sampler from its recipe section (`[data.sampler]`, `kind` removed).
 pub trait SamplerFactory: Send + Sync {
@@ -51,7 +50,7 @@ pub fn typed_sampler_factory<S: TypedSampler>() -> impl SamplerFactory {
 
 /// The factory [`Registry::model`] registers for a typed model.
 pub fn typed_model_factory<M: TypedModel>() -> impl ModelFactory {
-    TypedModelFactory::<M>(std::marker::PhantomData)
+    TypedModelFactory::<M>::default()
 }
 
 fn parse<C: DeserializeOwned>(config: &Value) -> Result<C, DataError> {
@@ -113,62 +112,6 @@ impl<M: TypedMetric> MetricFactory for TypedMetricFactory<M> {
             message: format!("options.{}: {}", e.path(), e.inner()),
         })?;
         Ok(Box::new(M::build(&config)?))
-    }
-}
-
-/// A model with a typed config: implement this and register it with [`Registry::model`]; the
-/// registry derives the schema, parses the `[model]` table into [`TypedModel::Config`] (errors
-/// name the full key, e.g. `model.tower[2]`), and calls [`TypedModel::check`] before
-/// [`TypedModel::build`].
-pub trait TypedModel: DenseModel + Sized + 'static {
-    /// The model's typed config (`deny_unknown_fields`, a doc comment on every field; the
-    /// struct's own doc comment is the model's one-line description in `trainrec list`).
-    type Config: DeserializeOwned + schemars::JsonSchema;
-    /// The `kind` it registers under.
-    const KIND: &'static str;
-    /// Problems of a parsed config against the job's inputs, with full recipe keys
-    /// (`model.<key>`, `tables[i].dim`). The default finds none.
-    fn check(_config: &Self::Config, _inputs: &ModelInputs) -> Vec<Diagnostic> {
-        Vec::new()
-    }
-    /// Builds the parameters under `vs`; `config` has passed [`TypedModel::check`].
-    fn build(vs: &nn::Path, config: &Self::Config, inputs: &ModelInputs) -> Result<Self, ModelError>;
-}
-
-struct TypedModelFactory<M>(std::marker::PhantomData<fn() -> M>);
-
-impl<M: TypedModel> TypedModelFactory<M> {
-    fn parse(config: &Value) -> Result<M::Config, Diagnostic> {
-        serde_path_to_error::deserialize(config).map_err(|e| {
-            let mut key = KeyPath::root().key("model");
-            if let Some(sub) = KeyPath::parse(&e.path().to_string()) {
-                key.0.extend(sub.0);
-            }
-            Diagnostic::new(key, e.inner().to_string())
-        })
-    }
-}
-
-impl<M: TypedModel> ModelFactory for TypedModelFactory<M> {
-    fn kind(&self) -> &'static str {
-        M::KIND
-    }
-    fn config_schema(&self) -> Value {
-        serde_json::to_value(schemars::schema_for!(M::Config)).expect("schema serializes")
-    }
-    fn check(&self, config: &Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
-        match Self::parse(config) {
-            Ok(c) => M::check(&c, inputs),
-            Err(d) => vec![d],
-        }
-    }
-    fn build(&self, vs: &nn::Path, config: &Value, inputs: &ModelInputs) -> Result<Box<dyn DenseModel>, ModelError> {
-        let config = Self::parse(config).map_err(|d| ModelError::Config(vec![d]))?;
-        let problems = M::check(&config, inputs);
-        if !problems.is_empty() {
-            return Err(ModelError::Config(problems));
-        }
-        Ok(Box::new(M::build(vs, &config, inputs)?))
     }
 }
 
@@ -255,9 +198,9 @@ impl Registry {
             .sampler::<trainrec_data::ParquetSampler>()
             .sampler::<trainrec_data::CsvSampler>()
             .model_factory(trainrec_models::DlrmFactory)
-            .model_factory(trainrec_models::DlrmDcnFactory)
-            .model_factory(trainrec_models::DeepFmFactory)
-            .model_factory(trainrec_models::TwoTowerFactory)
+            .model::<trainrec_models::DlrmDcn>()
+            .model::<trainrec_models::DeepFm>()
+            .model::<trainrec_models::TwoTower>()
     }
 
     fn note(&mut self, kind: PluginKind, name: &'static str, taken: bool) {
