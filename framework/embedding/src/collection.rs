@@ -309,7 +309,7 @@ impl Core {
                 lists.push((g, local, list));
             }
         }
-        lists.into_par_iter().for_each(|(g, local, list)| {
+        let fill = |(g, local, list): (usize, usize, &mut Vec<Occ>)| {
             list.clear();
             for (oi, o) in outputs.iter().enumerate() {
                 let t = &tables[o.table];
@@ -332,7 +332,13 @@ impl Core {
                     }
                 }
             }
-        });
+        };
+        // One thread: run here, not on the pool's worker (no hand-off, this core's caches).
+        if rayon::current_num_threads() == 1 {
+            lists.into_iter().for_each(fill);
+        } else {
+            lists.into_par_iter().for_each(fill);
+        }
         let threads = rayon::current_num_threads();
         for ((group, occ), tmp) in self.groups.iter_mut().zip(&mut self.occ).zip(&mut self.tmp) {
             dispatch!(group, g => g.update(occ, tmp, grad, threads));

@@ -98,14 +98,35 @@ impl EmbeddingBagCollection {
 
     /// Pooled lookups: `[batch, sum(dims)]`, one block of columns per output.
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor, EmbeddingError> {
+        let mut out = vec![0f32; kjt.stride() * self.width];
+        self.forward_into(kjt, &mut out)?;
+        KeyedTensor::new(self.output_keys(), self.output_dims(), out, kjt.stride())
+            .map_err(|e| EmbeddingError::Shape(e.to_string()))
+    }
+
+    /// Output floats per example (`sum(dims)`).
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// [`Self::forward`] into a caller's buffer of `batch * width` floats (row-major
+    /// `[batch, sum(dims)]`), e.g. the memory of a tensor the dense model reads, saving the
+    /// output's allocation and a copy. Every element is written; the buffer's contents do
+    /// not matter.
+    pub fn forward_into(&self, kjt: &KeyedJaggedTensor, out: &mut [f32]) -> Result<(), EmbeddingError> {
         let keys = self.core.resolve(kjt)?;
         self.core.check_ids(kjt, &keys)?;
         let batch = kjt.stride();
         let width = self.width;
-        let mut out = vec![0f32; batch * width];
+        if out.len() != batch * width {
+            return Err(EmbeddingError::Shape(format!(
+                "output buffer has {} floats, expected batch {batch} x width {width}",
+                out.len()
+            )));
+        }
         let chunk = (batch / (rayon::current_num_threads() * 8)).clamp(16, 512);
         let core = &self.core;
-        out.par_chunks_mut((chunk * width).max(1)).enumerate().for_each(|(c, rows)| {
+        let job = |c: usize, rows: &mut [f32]| {
             let b0 = c * chunk;
             for (o, &k) in core.outputs.iter().zip(&keys) {
                 let t = &core.tables[o.table];
@@ -121,9 +142,14 @@ impl EmbeddingBagCollection {
                 };
                 dispatch!(&core.groups[t.group], g => g.pool(t.local, |b| f.bag_start(b), &p, rows));
             }
-        });
-        KeyedTensor::new(self.output_keys(), self.output_dims(), out, batch)
-            .map_err(|e| EmbeddingError::Shape(e.to_string()))
+        };
+        let step = (chunk * width).max(1);
+        if rayon::current_num_threads() == 1 {
+            out.chunks_mut(step).enumerate().for_each(|(c, rows)| job(c, rows));
+        } else {
+            out.par_chunks_mut(step).enumerate().for_each(|(c, rows)| job(c, rows));
+        }
+        Ok(())
     }
 
     fn check_grad(&self, kjt: &KeyedJaggedTensor, grad_output: &[f32]) -> Result<(), EmbeddingError> {

@@ -185,7 +185,7 @@ impl<T: Weight + Pod> Tbe<T> {
     }
 
     /// Pools the bags `p` describes of one feature of table `t` into `out` (rows of
-    /// `p.width` floats starting at bag `p.b0`), columns `p.col..p.col + dim`, which must be zero.
+    /// `p.width` floats starting at bag `p.b0`), columns `p.col..p.col + dim` (overwritten).
     pub(crate) fn pool(&self, t: usize, starts: impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
@@ -259,6 +259,7 @@ impl<T: Weight + Pod> Tbe<T> {
         for local in 0..p.n {
             let stop = starts(p.b0 + local + 1);
             let dst = &mut out[local * p.width + p.col..][..dim];
+            dst.fill(0.0);
             let len = stop - pos;
             while pos < stop {
                 if pos + PREFETCH < end {
@@ -318,9 +319,16 @@ impl<T: Weight + Pod> Tbe<T> {
         self.iter += 1;
         let step = Step::new(&self.optimizer, self.iter);
         let slots = &self.slots;
-        occ.par_iter_mut().zip(tmp.par_iter_mut()).zip(slots.par_iter()).for_each(|((o, t), s)| {
-            radix_sort_by_row(o, t, s.rows);
-        });
+        if threads <= 1 {
+            occ.iter_mut()
+                .zip(tmp.iter_mut())
+                .zip(slots.iter())
+                .for_each(|((o, t), s)| radix_sort_by_row(o, t, s.rows));
+        } else {
+            occ.par_iter_mut().zip(tmp.par_iter_mut()).zip(slots.par_iter()).for_each(|((o, t), s)| {
+                radix_sort_by_row(o, t, s.rows);
+            });
+        }
 
         // Split both buffers into per-table parts, then each table into jobs over
         // contiguous row ranges, cut only where the row changes.
@@ -369,7 +377,11 @@ impl<T: Weight + Pod> Tbe<T> {
             }
         }
         let rng_key = self.stochastic.then(|| self.seed ^ self.iter.wrapping_mul(0xD6E8_FEB8_6659_FD93));
-        jobs.into_par_iter().for_each(|job| job.run(&step, grad, rng_key));
+        if threads <= 1 {
+            jobs.into_iter().for_each(|job| job.run(&step, grad, rng_key));
+        } else {
+            jobs.into_par_iter().for_each(|job| job.run(&step, grad, rng_key));
+        }
     }
 }
 

@@ -216,6 +216,9 @@ pub fn load_and_check(
     registry: &Registry,
 ) -> Result<(LoadedRecipe, FeatureSchema), Diagnostics> {
     let loaded = trainrec_recipe::load(path, options)?;
+    // The thread pools are sized once per process, before any parallel work: checking runs
+    // the planner (rayon), so `run.threads` must take effect here, not at `Job::build`.
+    crate::job::configure_threads(loaded.recipe.run.threads);
     let features = check_loaded(&loaded, registry)?;
     Ok((loaded, features))
 }

@@ -1,5 +1,6 @@
 //! Builds a training job from a recipe and runs it: the only part that knows all the others.
 
+pub mod bench;
 pub mod check;
 pub mod error;
 pub mod job;

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn, nn::Module};
 use trainrec_recipe::Diagnostic;
 
-use crate::mlp::{self, mlp};
+use crate::mlp;
 use crate::{DenseModel, ModelError, ModelFactory, ModelInputs};
 
 /// DLRM as TorchRec builds it: a dense-arch MLP, pairwise dot interactions with every pooled
@@ -28,7 +28,27 @@ pub struct Dlrm {
     over: nn::Sequential,
     num_sparse: i64,
     dim: i64,
-    triu: (Tensor, Tensor),
+    /// Flat positions `i * (F + 1) + j` (`i < j`) of the pairs in a sample's `[F + 1, F + 1]`
+    /// Gram matrix of `[d, e_0, .., e_{F-1}]`: TorchRec's `triu_indices(F + 1, F + 1, 1)`.
+    upper: Tensor,
+    /// The mirrored positions `j * (F + 1) + i` of the same pairs.
+    lower: Tensor,
+}
+
+/// [`mlp::mlp`] (same layers and parameter names) with each ReLU applied in place on its
+/// layer's fresh output: one activation-sized allocation and write fewer per layer, forward
+/// and backward (a linear layer's backward does not read its output).
+fn mlp_inplace(vs: &nn::Path, input: usize, sizes: &[usize], relu_last: bool) -> nn::Sequential {
+    let mut seq = nn::seq();
+    let mut prev = input as i64;
+    for (i, &size) in sizes.iter().enumerate() {
+        seq = seq.add(nn::linear(vs / format!("layer{i}"), prev, size as i64, Default::default()));
+        if relu_last || i + 1 < sizes.len() {
+            seq = seq.add_fn(|x| x.shallow_clone().relu_());
+        }
+        prev = size as i64;
+    }
+    seq
 }
 
 impl Dlrm {
@@ -37,26 +57,51 @@ impl Dlrm {
         let dim = *config.dense_arch.last().unwrap_or(&0) as i64;
         let n = num_sparse as i64 + 1;
         let interactions = (n * (n - 1) / 2) as usize;
-        let triu = Tensor::triu_indices(n, n, 1, (tch::Kind::Int64, vs.device()));
+        let (mut upper, mut lower) = (Vec::with_capacity(interactions), Vec::with_capacity(interactions));
+        for i in 0..n {
+            for j in i + 1..n {
+                upper.push(i * n + j);
+                lower.push(j * n + i);
+            }
+        }
+        let index = |v: &[i64]| Tensor::from_slice(v).to_device(vs.device());
         Self {
-            dense: mlp(&(vs / "dense_arch"), num_dense, &config.dense_arch, true),
-            over: mlp(&(vs / "over_arch"), dim as usize + interactions, &config.over_arch, false),
+            dense: mlp_inplace(&(vs / "dense_arch"), num_dense, &config.dense_arch, true),
+            over: mlp_inplace(&(vs / "over_arch"), dim as usize + interactions, &config.over_arch, false),
             num_sparse: num_sparse as i64,
             dim,
-            triu: (triu.get(0), triu.get(1)),
+            upper: index(&upper),
+            lower: index(&lower),
         }
+    }
+
+    /// TorchRec's `InteractionArch`: `[d, <x_i, x_j> for i < j]` over `x = [d, e_0, ..]`, the
+    /// pairs in `triu_indices` order.
+    ///
+    /// The Gram matrix `X X^T` is one batched product. With gradients, its second factor is
+    /// detached and the output reads both mirrored entries, `upper + lower - upper.detach()`
+    /// (the value of one dot): the backward is then a single batched product `(G + G^T) X`
+    /// instead of autograd's two, whose transposed half also costs a strided sum.
+    fn interaction(&self, d: &Tensor, sparse: &Tensor) -> Tensor {
+        let batch = d.size()[0];
+        let n = self.num_sparse + 1;
+        let emb = sparse.view([batch, self.num_sparse, self.dim]);
+        let all = Tensor::cat(&[&d.unsqueeze(1), &emb], 1);
+        let pairs = if all.requires_grad() {
+            let gram = all.bmm(&all.detach().transpose(1, 2)).view([batch, n * n]);
+            gram.index_select(1, &self.upper) + gram.index_select(1, &self.lower)
+                - gram.detach().index_select(1, &self.upper)
+        } else {
+            all.bmm(&all.transpose(1, 2)).view([batch, n * n]).index_select(1, &self.upper)
+        };
+        Tensor::cat(&[d, &pairs], 1)
     }
 }
 
 impl DenseModel for Dlrm {
     fn forward(&self, dense: &Tensor, sparse: &Tensor, _train: bool) -> Tensor {
-        let batch = dense.size()[0];
         let d = self.dense.forward(dense);
-        let emb = sparse.view([batch, self.num_sparse, self.dim]);
-        let all = Tensor::cat(&[d.unsqueeze(1), emb], 1);
-        let dots = all.bmm(&all.transpose(1, 2));
-        let pairs = dots.index(&[None, Some(&self.triu.0), Some(&self.triu.1)]);
-        let x = Tensor::cat(&[d, pairs], 1);
+        let x = self.interaction(&d, sparse);
         self.over.forward(&x)
     }
 }
@@ -135,6 +180,70 @@ mod tests {
         let want = m.over.forward(&x).double_value(&[0, 0]);
         let got = m.forward(&dense, &sparse, false).double_value(&[0, 0]);
         assert!((want - got).abs() < 1e-6, "{want} vs {got}");
+    }
+
+    #[test]
+    fn interaction_gradients_match_plain_autograd() {
+        // The detached-factor Gram matrix must give the gradients of the textbook form
+        // (concatenate, full bmm, triu gather) with respect to the embeddings and the dense arch.
+        tch::manual_seed(1);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = DlrmConfig { dense_arch: vec![8, 4], over_arch: vec![6, 1] };
+        let m = Dlrm::new(&vs.root(), &cfg, 3, 5);
+        let dense = Tensor::rand([7, 3], (tch::Kind::Float, tch::Device::Cpu));
+        let emb = Tensor::randn([7, 20], (tch::Kind::Float, tch::Device::Cpu));
+        let grads = |reference: bool| {
+            let sparse = emb.detach().set_requires_grad(true);
+            let logits = if reference {
+                let d = m.dense.forward(&dense);
+                let all = Tensor::cat(&[d.unsqueeze(1), sparse.view([7, 5, 4])], 1);
+                let dots = all.bmm(&all.transpose(1, 2));
+                let t = Tensor::triu_indices(6, 6, 1, (tch::Kind::Int64, tch::Device::Cpu));
+                let pairs = dots.index(&[None, Some(&t.get(0)), Some(&t.get(1))]);
+                m.over.forward(&Tensor::cat(&[d, pairs], 1))
+            } else {
+                m.forward(&dense, &sparse, true)
+            };
+            for v in vs.trainable_variables() {
+                let mut v = v;
+                v.zero_grad();
+            }
+            (logits.square().sum(tch::Kind::Float)).backward();
+            let mut out: Vec<Vec<f32>> = vec![Vec::try_from(sparse.grad().view([-1])).unwrap()];
+            for v in vs.trainable_variables() {
+                out.push(Vec::try_from(v.grad().view([-1])).unwrap());
+            }
+            (Vec::<f32>::try_from(logits.view([-1])).unwrap(), out)
+        };
+        let (want_l, want) = grads(true);
+        let (got_l, got) = grads(false);
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + x.abs()));
+        assert!(close(&want_l, &got_l), "{want_l:?} vs {got_l:?}");
+        for (w, g) in want.iter().zip(&got) {
+            assert!(close(w, g), "{w:?} vs {g:?}");
+        }
+        // Eval mode (no grad) gives the same logits.
+        let eval: Vec<f32> = tch::no_grad(|| Vec::try_from(m.forward(&dense, &emb, false).view([-1])).unwrap());
+        assert!(close(&want_l, &eval), "{want_l:?} vs {eval:?}");
+    }
+
+    #[test]
+    fn no_grad_interaction_matches_the_batched_product() {
+        // Criteo-like sizes: 26 features of dim 64.
+        tch::manual_seed(2);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = DlrmConfig { dense_arch: vec![16, 64], over_arch: vec![8, 1] };
+        let m = Dlrm::new(&vs.root(), &cfg, 3, 26);
+        let opts = (tch::Kind::Float, tch::Device::Cpu);
+        let (d, sparse) = (Tensor::randn([600, 64], opts), Tensor::randn([600, 26 * 64], opts));
+        let got = tch::no_grad(|| m.interaction(&d, &sparse));
+        let all = Tensor::cat(&[d.unsqueeze(1), sparse.view([600, 26, 64])], 1);
+        let t = Tensor::triu_indices(27, 27, 1, (tch::Kind::Int64, tch::Device::Cpu));
+        let pairs = all.bmm(&all.transpose(1, 2)).index(&[None, Some(&t.get(0)), Some(&t.get(1))]);
+        let want = Tensor::cat(&[d, pairs], 1);
+        assert_eq!(got.size(), want.size());
+        let err = (&got - &want).abs().max().double_value(&[]);
+        assert!(err < 1e-3, "max error {err}");
     }
 
     #[test]

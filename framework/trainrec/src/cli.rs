@@ -129,6 +129,9 @@ pub enum ConvertCommand {
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// W2: DLRM train step or inference through the engine, the flags of
+    /// `bench/anchors/w2_dlrm.py`.
+    Dlrm(DlrmArgs),
     /// Reader throughput: rows/s of the `criteo_tsv`, `criteo_binary` and `parquet` samplers
     /// at each worker count, on generated data.
     Data(DataArgs),
@@ -216,6 +219,74 @@ pub struct PlanArgs {
     /// Skip the refinement pass (TorchRec's search exactly).
     #[arg(long)]
     pub no_refine: bool,
+}
+
+/// `--mode` of `bench dlrm`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum DlrmModeArg {
+    /// Forward, BCE loss, backward, dense Adagrad and fused row-wise Adagrad steps.
+    Train,
+    /// Eval-mode logits under no_grad.
+    Infer,
+}
+
+/// Flags of `trainrec bench dlrm` (those of `w2_dlrm.py`, same defaults).
+#[derive(Debug, clap::Args)]
+pub struct DlrmArgs {
+    /// Train or infer.
+    #[arg(long, value_enum, default_value_t = DlrmModeArg::Train)]
+    pub mode: DlrmModeArg,
+    /// Dense features per sample.
+    #[arg(long, default_value_t = 13)]
+    pub num_dense: usize,
+    /// Sparse features (one table each).
+    #[arg(long, default_value_t = 26)]
+    pub num_sparse: usize,
+    /// Rows per table.
+    #[arg(long, default_value_t = 100_000)]
+    pub rows: u64,
+    /// Embedding dim (the last dense-arch size).
+    #[arg(long, default_value_t = 64)]
+    pub dim: usize,
+    /// Ids per feature per sample.
+    #[arg(long, default_value_t = 1)]
+    pub ids_per_feature: usize,
+    /// Dense-arch layer sizes, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "512,256,64")]
+    pub dense_arch: Vec<usize>,
+    /// Over-arch layer sizes, comma separated (the last is 1).
+    #[arg(long, value_delimiter = ',', default_value = "512,512,256,1")]
+    pub over_arch: Vec<usize>,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 2048)]
+    pub batch: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Distinct pre-generated batches, cycled.
+    #[arg(long, default_value_t = 8)]
+    pub num_batches: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.01)]
+    pub lr: f64,
+    /// Eps of the fused row-wise Adagrad.
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Threads (0 = every core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Also time the parts of the train step (`sections_ms`).
+    #[arg(long)]
+    pub profile: bool,
+    /// Leave glibc's allocator at its defaults (no mmap threshold / trim tuning).
+    #[arg(long)]
+    pub no_malloc_tuning: bool,
 }
 
 /// Flags of `trainrec bench data`.
@@ -484,6 +555,32 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 refine: !a.no_refine,
             };
             print_bench(trainrec_planner::bench::run(&bench))
+        }
+        Command::Bench { which: BenchCommand::Dlrm(a) } => {
+            let bench = trainrec_engine::bench::DlrmBench {
+                mode: match a.mode {
+                    DlrmModeArg::Train => trainrec_engine::bench::DlrmMode::Train,
+                    DlrmModeArg::Infer => trainrec_engine::bench::DlrmMode::Infer,
+                },
+                num_dense: a.num_dense,
+                num_sparse: a.num_sparse,
+                rows: a.rows,
+                dim: a.dim,
+                ids_per_feature: a.ids_per_feature,
+                dense_arch: a.dense_arch,
+                over_arch: a.over_arch,
+                batch: a.batch,
+                steps: a.steps,
+                warmup: a.warmup,
+                num_batches: a.num_batches,
+                lr: a.lr,
+                eps: a.eps,
+                seed: a.seed,
+                threads: a.threads,
+                profile: a.profile,
+                malloc_tuning: !a.no_malloc_tuning,
+            };
+            print_bench(trainrec_engine::bench::run(&bench))
         }
         Command::Bench { which: BenchCommand::Data(a) } => {
             let options = trainrec_data::BenchOptions {

@@ -1,0 +1,631 @@
+//! The W2 DLRM benchmark (`trainrec bench dlrm`): the workload, flags and JSON fields of
+//! `bench/anchors/w2_dlrm.py`, so both can run side by side.
+//!
+//! The job is built the way `trainrec run` builds one: a recipe (written to a temporary
+//! file) with one `rows x dim` table per sparse feature, row-wise Adagrad fused into the
+//! embedding backward, dense Adagrad and `kind = "dlrm"`, loaded and checked by
+//! [`crate::load_and_check`] and built by [`Job::build`]. `num_batches` batches shaped like
+//! TorchRec's `RandomRecDataset` (uniform ids, exactly `ids_per_feature` per bag, dense
+//! features uniform in `[0, 1)`, 0/1 labels) are generated before timing and cycled.
+//!
+//! * `train`: [`Job::train_step`] per step (EBC forward, DLRM forward, BCE loss, backward,
+//!   dense Adagrad, fused row-wise Adagrad on the embedding rows).
+//! * `infer`: the same parts in eval mode under `no_grad`: EBC forward (written straight into
+//!   the model's input tensor), then the DLRM's logits. The job has no public per-batch
+//!   forward yet, so the parts are built here from the same recipe, as [`Job::build`] builds
+//!   them.
+//!
+//! With `profile`, two more timed passes run a copy of the train step that times its parts:
+//! `sections_ms` as the engine does it, `sections_ms_zero_copy` without the engine's two
+//! pooled-size copies. The headline numbers always come from [`Job::train_step`].
+//! `malloc_tuning` (default on) applies [`tune_allocator`] first.
+//!
+//! `cargo test --release -p trainrec-engine --lib bench::tests::w2 -- --ignored --nocapture`
+//! runs it with `W2_ARGS="mode=infer threads=1 ..."` (field names) until the CLI has it.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde_json::{Value, json};
+use tch::{Device, Tensor, nn};
+use trainrec_data::{Batch, FeatureSchema};
+use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
+use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
+use trainrec_recipe::{LoadOptions, LoadedRecipe};
+use trainrec_sparse::KeyedJaggedTensor;
+
+use crate::{Job, Registry};
+
+/// What a step does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DlrmMode {
+    /// Forward, loss, backward, dense and fused sparse optimizer steps.
+    Train,
+    /// Eval-mode logits under `no_grad`.
+    Infer,
+}
+
+impl DlrmMode {
+    /// The flag value (`train`, `infer`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Train => "train",
+            Self::Infer => "infer",
+        }
+    }
+}
+
+/// The benchmark's parameters: the flags of `w2_dlrm.py` (same defaults).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DlrmBench {
+    /// `--mode`.
+    pub mode: DlrmMode,
+    /// Dense features per sample.
+    pub num_dense: usize,
+    /// Sparse features, one table each.
+    pub num_sparse: usize,
+    /// Rows per table.
+    pub rows: u64,
+    /// Embedding dim (must equal the last dense-arch size).
+    pub dim: usize,
+    /// Ids per feature per sample (every bag has exactly this many).
+    pub ids_per_feature: usize,
+    /// Dense-arch layer sizes.
+    pub dense_arch: Vec<usize>,
+    /// Over-arch layer sizes (the last is 1).
+    pub over_arch: Vec<usize>,
+    /// Samples per batch.
+    pub batch: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    pub warmup: usize,
+    /// Distinct pre-generated batches, cycled through.
+    pub num_batches: usize,
+    /// Learning rate of both optimizers.
+    pub lr: f64,
+    /// Eps of the fused row-wise Adagrad (the recipe's dense Adagrad has PyTorch's fixed 1e-10).
+    pub eps: f64,
+    /// Seed of data and weights.
+    pub seed: u64,
+    /// Threads for libtorch and the embedding kernels (0 = all cores).
+    pub threads: usize,
+    /// Also time the parts of a copy of the train step (`sections_ms` in the output).
+    pub profile: bool,
+    /// Keep freed memory in the process (glibc `mallopt`: mmap threshold 32 MiB, no trimming),
+    /// so the step's large tensors reuse warm pages instead of fresh zeroed ones (page faults);
+    /// see [`tune_allocator`].
+    pub malloc_tuning: bool,
+}
+
+impl Default for DlrmBench {
+    fn default() -> Self {
+        Self {
+            mode: DlrmMode::Train,
+            num_dense: 13,
+            num_sparse: 26,
+            rows: 100_000,
+            dim: 64,
+            ids_per_feature: 1,
+            dense_arch: vec![512, 256, 64],
+            over_arch: vec![512, 512, 256, 1],
+            batch: 2048,
+            steps: 30,
+            warmup: 5,
+            num_batches: 8,
+            lr: 0.01,
+            eps: 1e-8,
+            seed: 0,
+            threads: 0,
+            profile: false,
+            malloc_tuning: true,
+        }
+    }
+}
+
+/// Makes glibc's allocator keep freed memory: allocations up to 32 MiB come from the heap
+/// (not a fresh `mmap` each time) and the heap is never trimmed, so a training step's large
+/// tensors (activations, the pooled embeddings and their gradient, ~14 MB each here) reuse
+/// pages already mapped instead of faulting in zeroed ones every step. Process-wide; returns
+/// whether glibc accepted both settings (always false off glibc).
+pub fn tune_allocator() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        // SAFETY: mallopt only changes allocator parameters; any value is accepted or refused.
+        unsafe { mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, i32::MAX) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
+fn list(v: &[usize]) -> String {
+    v.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The recipe of the benchmark's job.
+fn recipe_toml(b: &DlrmBench, out_dir: &std::path::Path) -> String {
+    let keys: Vec<String> = (0..b.num_sparse).map(|i| format!("\"cat_{i}\"")).collect();
+    let threads = if b.threads == 0 { String::new() } else { format!("threads = {}\n", b.threads) };
+    let mut s = format!(
+        "[run]\nname = \"bench-dlrm\"\nseed = {seed}\noutput_dir = {out:?}\n{threads}\n\
+         [data]\nbatch_size = {batch}\n\n\
+         [data.sampler]\nkind = \"synthetic\"\ndense_features = {nd}\nsparse_features = [{keys}]\n\
+         pooling_factor = {pf}\ntrain_samples = {train}\neval_samples = {batch}\n\n",
+        seed = b.seed,
+        out = out_dir.display().to_string(),
+        batch = b.batch,
+        nd = b.num_dense,
+        keys = keys.join(", "),
+        pf = b.ids_per_feature,
+        train = (b.batch * b.num_batches) as u64,
+    );
+    for i in 0..b.num_sparse {
+        s.push_str(&format!(
+            "[[tables]]\nname = \"t_cat_{i}\"\nfeatures = [\"cat_{i}\"]\nrows = {}\ndim = {}\n\n",
+            b.rows, b.dim
+        ));
+    }
+    s.push_str(&format!(
+        "[model]\nkind = \"dlrm\"\ndense_arch = [{}]\nover_arch = [{}]\n\n\
+         [optimizer]\nsparse = {{ kind = \"rowwise_adagrad\", lr = {lr:e}, eps = {eps:e} }}\n\
+         dense = {{ kind = \"adagrad\", lr = {lr:e} }}\n\n\
+         [train]\nsteps = {steps}\nprogress = false\n",
+        list(&b.dense_arch),
+        list(&b.over_arch),
+        lr = b.lr,
+        eps = b.eps,
+        steps = (b.warmup + b.steps).max(1),
+    ));
+    s
+}
+
+/// SplitMix64: the batches' generator (the engine crate has no `rand` dependency).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[0, 1)` (24 random bits).
+    fn unit_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 * (1.0 / (1u32 << 24) as f32)
+    }
+    /// Uniform in `0..n` (multiply-shift; the bias is below 2^-32 for any table size).
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+}
+
+/// Batches shaped like TorchRec's `RandomRecDataset`: ids uniform in `0..rows`, exactly
+/// `ids_per_feature` per bag, dense features uniform in `[0, 1)`, labels 0 or 1.
+fn make_batches(b: &DlrmBench, features: &FeatureSchema) -> Result<Vec<Batch>, String> {
+    let mut rng = SplitMix(b.seed ^ 0x243F_6A88_85A3_08D3);
+    let n = b.batch * b.ids_per_feature;
+    let keys = features.sparse.clone();
+    (0..b.num_batches)
+        .map(|_| {
+            let dense: Vec<f32> = (0..b.batch * b.num_dense).map(|_| rng.unit_f32()).collect();
+            let values: Vec<i64> = (0..keys.len() * n).map(|_| rng.below(b.rows) as i64).collect();
+            let lengths = vec![b.ids_per_feature as u32; keys.len() * b.batch];
+            let labels: Vec<f32> = (0..b.batch).map(|_| (rng.next_u64() >> 63) as f32).collect();
+            let sparse = KeyedJaggedTensor::new(keys.clone(), values, None, lengths, b.batch)
+                .map_err(|e| format!("bench batch: {e}"))?;
+            Ok(Batch { dense, num_dense: b.num_dense, sparse, labels, batch_size: b.batch, groups: None })
+        })
+        .collect()
+}
+
+/// The job's parts, built from the recipe as [`Job::build`] builds them (for inference and
+/// the profiled copy of the train step).
+struct Parts {
+    ebc: EmbeddingBagCollection,
+    _vs: nn::VarStore,
+    model: Box<dyn DenseModel>,
+    dense_opt: DenseOptimizer,
+    num_dense: usize,
+}
+
+impl Parts {
+    fn build(loaded: &LoadedRecipe, features: &FeatureSchema, registry: &Registry) -> Result<Self, String> {
+        let recipe = &loaded.recipe;
+        crate::configure_threads(recipe.run.threads);
+        tch::manual_seed(recipe.run.seed as i64);
+        let tables = recipe
+            .tables
+            .iter()
+            .map(|t| {
+                let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
+                let mut c = EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
+                    .with_precision(t.precision);
+                c.stochastic_rounding = t.stochastic_rounding;
+                c.optimizer = t.optimizer.clone();
+                c
+            })
+            .collect();
+        let mut ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)
+            .map_err(|e| e.to_string())?;
+        ebc.set_bounds_check(recipe.embedding.bounds_check);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let (sparse, sparse_dim_keys) = crate::check::sparse_outputs(recipe);
+        let num_tasks = crate::check::job_tasks(recipe, features).len();
+        let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
+        let kind = recipe.model.kind().unwrap_or_default();
+        let factory = registry.model_for(kind).ok_or_else(|| format!("no model {kind}"))?;
+        let model = factory.build(&vs.root(), &recipe.model.config(), &inputs).map_err(|e| e.to_string())?;
+        let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense).map_err(|e| e.to_string())?;
+        Ok(Self { ebc, _vs: vs, model, dense_opt, num_dense: features.num_dense })
+    }
+
+    /// Eval-mode logits `[batch, 1]` under `no_grad`; the EBC writes its output straight into
+    /// the tensor the model reads.
+    fn infer(&self, batch: &Batch) -> Result<Tensor, String> {
+        let b = batch.batch_size as i64;
+        let sparse = self.pooled_tensor(batch)?;
+        Ok(tch::no_grad(|| {
+            let dense = Tensor::from_slice(&batch.dense).view([b, self.num_dense as i64]);
+            self.model.forward(&dense, &sparse, false)
+        }))
+    }
+
+    /// The pooled embeddings `[batch, width]` as a fresh tensor, written in place by
+    /// [`EmbeddingBagCollection::forward_into`].
+    fn pooled_tensor(&self, batch: &Batch) -> Result<Tensor, String> {
+        let (b, w) = (batch.batch_size, self.ebc.width());
+        let t = Tensor::empty([b as i64, w as i64], (tch::Kind::Float, Device::Cpu));
+        // SAFETY: `t` is a new contiguous CPU float tensor of `b * w` elements that nothing
+        // else references while the slice lives.
+        let out = unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), b * w) };
+        self.ebc.forward_into(&batch.sparse, out).map_err(|e| e.to_string())?;
+        Ok(t)
+    }
+
+    /// A copy of the engine's train step (`Job::train_step_with`) that adds each part's time
+    /// (seconds) to `t` (see [`SECTION_NAMES`]). `zero_copy`: the EBC writes into the model's
+    /// input tensor and reads the gradient tensor's memory, instead of the engine's two copies
+    /// (`Tensor::from_slice(pooled)`, `Vec::try_from(grad)`).
+    fn train_step_timed(&mut self, batch: &Batch, t: &mut [f64; SECTIONS], zero_copy: bool) -> Result<f64, String> {
+        let b = batch.batch_size as i64;
+        let mut clock = Instant::now();
+        let mut lap = |i: usize, t: &mut [f64; SECTIONS]| {
+            let now = Instant::now();
+            t[i] += (now - clock).as_secs_f64();
+            clock = now;
+        };
+        let (pooled, sparse) = if zero_copy {
+            let s = self.pooled_tensor(batch)?;
+            lap(0, t);
+            (None, s)
+        } else {
+            let pooled = self.ebc.forward(&batch.sparse).map_err(|e| e.to_string())?;
+            lap(0, t);
+            let s = Tensor::from_slice(pooled.values()).view([b, pooled.width() as i64]);
+            (Some(pooled), s)
+        };
+        let dense = Tensor::from_slice(&batch.dense).view([b, self.num_dense as i64]);
+        let labels = Tensor::from_slice(&batch.labels).view([b, 1]);
+        let sparse = sparse.set_requires_grad(true);
+        drop(pooled);
+        lap(1, t);
+        let logits = self.model.forward(&dense, &sparse, true);
+        let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean);
+        lap(2, t);
+        self.dense_opt.zero_grad();
+        lap(3, t);
+        loss.backward();
+        lap(4, t);
+        self.dense_opt.step();
+        lap(5, t);
+        let grad = sparse.grad().contiguous();
+        if zero_copy {
+            let n = grad.numel();
+            // SAFETY: `grad` is a contiguous CPU float tensor of `n` elements, alive and not
+            // written while the slice lives.
+            let g = unsafe { std::slice::from_raw_parts(grad.data_ptr().cast::<f32>().cast_const(), n) };
+            lap(6, t);
+            self.ebc.backward_and_update(&batch.sparse, g).map_err(|e| e.to_string())?;
+        } else {
+            let g: Vec<f32> = Vec::try_from(&grad.view([-1])).map_err(|e: tch::TchError| e.to_string())?;
+            lap(6, t);
+            self.ebc.backward_and_update(&batch.sparse, &g).map_err(|e| e.to_string())?;
+        }
+        lap(7, t);
+        let v = loss.double_value(&[]);
+        lap(8, t);
+        Ok(v)
+    }
+}
+
+const SECTIONS: usize = 9;
+const SECTION_NAMES: [&str; SECTIONS] = [
+    "ebc_forward",
+    "to_tensors",
+    "dense_forward_loss",
+    "zero_grad",
+    "backward",
+    "dense_optimizer",
+    "grad_to_vec",
+    "ebc_backward_update",
+    "loss_value",
+];
+
+/// Busy core-seconds of the machine and of this process (Linux `/proc`).
+fn cpu_snapshot() -> Option<(Instant, f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let v: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let busy = v.iter().sum::<f64>() - v.get(3)? - v.get(4)?;
+    let me = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = me.rsplit_once(')')?.1.split_whitespace().collect();
+    let own = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some((Instant::now(), busy / 100.0, own / 100.0))
+}
+
+fn busy_cores(a: Option<(Instant, f64, f64)>, b: Option<(Instant, f64, f64)>) -> (Value, Value) {
+    match (a, b) {
+        (Some((t0, b0, s0)), Some((t1, b1, s1))) => {
+            let wall = (t1 - t0).as_secs_f64().max(1e-9);
+            let r = |x: f64| json!((x / wall * 1000.0).round() / 1000.0);
+            (r(((b1 - b0) - (s1 - s0)).max(0.0)), r(s1 - s0))
+        }
+        _ => (Value::Null, Value::Null),
+    }
+}
+
+fn loadavg() -> Value {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|s| s.split_whitespace().take(3).filter_map(|x| x.parse::<f64>().ok()).collect::<Vec<_>>())
+        .map_or(Value::Null, |v| json!(v))
+}
+
+fn median(ts: &[f64]) -> f64 {
+    let mut s = ts.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 }
+}
+
+fn summaries(ts: &[f64], batch: usize) -> (Value, Value, Value) {
+    let (med, lo, hi) =
+        (median(ts), ts.iter().copied().fold(f64::INFINITY, f64::min), ts.iter().copied().fold(0.0, f64::max));
+    let n = ts.len();
+    let b = batch as f64;
+    (
+        json!({"median_s": med, "min_s": lo, "max_s": hi, "n": n}),
+        json!({"median": med * 1e3, "min": lo * 1e3, "max": hi * 1e3, "n": n}),
+        json!({"median": b / med, "min": b / hi, "max": b / lo, "best": b / lo, "worst": b / hi, "n": n}),
+    )
+}
+
+/// Times `steps` calls of `step` after `warmup` untimed ones; per-step seconds.
+fn time_steps(
+    steps: usize,
+    warmup: usize,
+    mut step: impl FnMut() -> Result<(), String>,
+) -> Result<(Vec<f64>, (Value, Value)), String> {
+    for _ in 0..warmup {
+        step()?;
+    }
+    let c0 = cpu_snapshot();
+    let mut ts = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let t = Instant::now();
+        step()?;
+        ts.push(t.elapsed().as_secs_f64());
+    }
+    Ok((ts, busy_cores(c0, cpu_snapshot())))
+}
+
+/// A temporary directory for the recipe, removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs the benchmark; returns the one JSON line `trainrec bench dlrm` prints.
+pub fn run(b: &DlrmBench) -> Result<String, String> {
+    if b.num_dense == 0 || b.num_sparse == 0 || b.rows == 0 || b.dim == 0 || b.ids_per_feature == 0 {
+        return Err("num-dense, num-sparse, rows, dim and ids-per-feature must be > 0".into());
+    }
+    if b.batch == 0 || b.steps == 0 || b.num_batches == 0 {
+        return Err("batch, steps and num-batches must be > 0".into());
+    }
+    let malloc_tuned = b.malloc_tuning && tune_allocator();
+    // Before anything starts rayon's global pool (recipe checks may), so it gets `threads`.
+    crate::configure_threads((b.threads > 0).then_some(b.threads));
+    let load_start = loadavg();
+    let c_start = cpu_snapshot();
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let dir = TempDir(std::env::temp_dir().join(format!("trainrec-bench-dlrm-{}-{stamp}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).map_err(|e| format!("cannot create {}: {e}", dir.0.display()))?;
+    let path = dir.0.join("recipe.toml");
+    std::fs::write(&path, recipe_toml(b, &dir.0.join("run"))).map_err(|e| format!("{}: {e}", path.display()))?;
+    let registry = Registry::builtin();
+    let (loaded, features) =
+        crate::load_and_check(&path, &LoadOptions::default(), &registry).map_err(|d| format!("bench recipe: {d}"))?;
+    tracing::info!("generating {} batches", b.num_batches);
+    let batches = make_batches(b, &features)?;
+    tracing::info!("building the job");
+    let t0 = Instant::now();
+    let mut it = 0usize;
+    let mut next = || {
+        let batch = &batches[it % batches.len()];
+        it += 1;
+        batch
+    };
+    let mut meta = serde_json::Map::new();
+    let (ts, (others, own)) = match b.mode {
+        DlrmMode::Train => {
+            let mut job = Job::build(&loaded, &features, &registry).map_err(|e| e.to_string())?;
+            meta.insert("build_s".into(), json!(t0.elapsed().as_secs_f64()));
+            tracing::info!("timing");
+            let mut last_loss = f64::NAN;
+            let r = time_steps(b.steps, b.warmup, || {
+                last_loss = job.train_step(next()).map_err(|e| e.to_string())?;
+                Ok(())
+            })?;
+            meta.insert("last_loss".into(), json!(last_loss));
+            drop(job);
+            if b.profile {
+                let mut parts = Parts::build(&loaded, &features, &registry)?;
+                for (key, zero_copy) in [("sections_ms", false), ("sections_ms_zero_copy", true)] {
+                    let mut t = [0f64; SECTIONS];
+                    for _ in 0..b.warmup {
+                        parts.train_step_timed(next(), &mut t, zero_copy)?;
+                    }
+                    t = [0f64; SECTIONS];
+                    let mut steps = Vec::with_capacity(b.steps);
+                    for _ in 0..b.steps {
+                        let start = Instant::now();
+                        parts.train_step_timed(next(), &mut t, zero_copy)?;
+                        steps.push(start.elapsed().as_secs_f64());
+                    }
+                    let mut s: serde_json::Map<String, Value> = SECTION_NAMES
+                        .iter()
+                        .zip(t)
+                        .map(|(n, x)| (n.to_string(), json!((x / b.steps as f64 * 1e4).round() / 10.0)))
+                        .collect();
+                    s.insert("mean".into(), json!((steps.iter().sum::<f64>() / b.steps as f64 * 1e4).round() / 10.0));
+                    s.insert("median".into(), json!((median(&steps) * 1e4).round() / 10.0));
+                    meta.insert(key.into(), Value::Object(s));
+                }
+            }
+            r
+        }
+        DlrmMode::Infer => {
+            let parts = Parts::build(&loaded, &features, &registry)?;
+            meta.insert("build_s".into(), json!(t0.elapsed().as_secs_f64()));
+            tracing::info!("timing");
+            time_steps(b.steps, b.warmup, || {
+                let logits = parts.infer(next())?;
+                std::hint::black_box(logits.size());
+                Ok(())
+            })?
+        }
+    };
+    let dense_params: i64 = {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let (sparse, sparse_dim_keys) = crate::check::sparse_outputs(&loaded.recipe);
+        let inputs = ModelInputs { num_dense: b.num_dense, sparse, sparse_dim_keys, num_tasks: 1 };
+        if let Some(f) = registry.model_for("dlrm") {
+            let _ = f.build(&vs.root(), &loaded.recipe.model.config(), &inputs);
+        }
+        vs.trainable_variables().iter().map(Tensor::numel).map(|n| n as i64).sum()
+    };
+    meta.insert("dense_params".into(), json!(dense_params));
+    let (step, ms, rate) = summaries(&ts, b.batch);
+    let threads = tch::get_num_threads();
+    let (others_all, self_all) = busy_cores(c_start, cpu_snapshot());
+    let res = json!({
+        "workload": "w2_dlrm",
+        "impl": "trainrec",
+        "mode": b.mode.name(),
+        "sparse": "fused",
+        "config": {
+            "mode": b.mode.name(), "num_dense": b.num_dense, "num_sparse": b.num_sparse, "rows": b.rows,
+            "dim": b.dim, "ids_per_feature": b.ids_per_feature, "dense_arch": b.dense_arch,
+            "over_arch": b.over_arch, "batch": b.batch, "steps": b.steps, "warmup": b.warmup,
+            "num_batches": b.num_batches, "lr": b.lr, "eps": b.eps, "seed": b.seed, "threads": b.threads,
+            "malloc_tuning": b.malloc_tuning, "dense_opt": "adagrad", "sparse_opt": "rowwise_adagrad",
+        },
+        "step": step,
+        "ms_per_step": ms,
+        "samples_per_s": rate,
+        "meta": meta,
+        "env": {
+            "threads": threads,
+            "rayon_threads": rayon::current_num_threads(),
+            "loadavg_start": load_start,
+            "loadavg_end": loadavg(),
+            "others_busy_cores": others_all,
+            "others_busy_cores_timed": [others],
+            "self_busy_cores_timed": own,
+            "self_busy_cores": self_all,
+            "malloc_tuned": malloc_tuned,
+        },
+    });
+    Ok(res.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tiny_bench_runs_both_modes() {
+        for mode in [DlrmMode::Train, DlrmMode::Infer] {
+            let b = DlrmBench {
+                mode,
+                num_sparse: 3,
+                rows: 100,
+                dim: 8,
+                dense_arch: vec![16, 8],
+                over_arch: vec![16, 1],
+                batch: 32,
+                steps: 3,
+                warmup: 1,
+                num_batches: 2,
+                threads: 1,
+                profile: mode == DlrmMode::Train,
+                ..DlrmBench::default()
+            };
+            let line = run(&b).unwrap();
+            let v: Value = serde_json::from_str(&line).unwrap();
+            assert_eq!(v["samples_per_s"]["n"], 3, "{line}");
+            assert!(v["samples_per_s"]["median"].as_f64().unwrap() > 0.0);
+            if mode == DlrmMode::Train {
+                assert!(v["meta"]["last_loss"].as_f64().unwrap().is_finite());
+                assert!(v["meta"]["sections_ms_zero_copy"]["median"].as_f64().is_some());
+            }
+        }
+    }
+
+    /// Runs the full benchmark from `W2_ARGS` (`key=value` pairs, e.g. `mode=infer threads=1
+    /// profile=1`) and prints its JSON line: `cargo test --release -p trainrec-engine --lib
+    /// bench::tests::w2 -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn w2() {
+        let mut b = DlrmBench::default();
+        let args = std::env::var("W2_ARGS").unwrap_or_default();
+        let sizes = |v: &str| v.split(',').map(|x| x.parse().unwrap()).collect::<Vec<usize>>();
+        for kv in args.split_whitespace() {
+            let (k, v) = kv.split_once('=').expect("key=value");
+            match k {
+                "mode" => b.mode = if v == "infer" { DlrmMode::Infer } else { DlrmMode::Train },
+                "num_dense" => b.num_dense = v.parse().unwrap(),
+                "num_sparse" => b.num_sparse = v.parse().unwrap(),
+                "rows" => b.rows = v.parse().unwrap(),
+                "dim" => b.dim = v.parse().unwrap(),
+                "ids_per_feature" => b.ids_per_feature = v.parse().unwrap(),
+                "dense_arch" => b.dense_arch = sizes(v),
+                "over_arch" => b.over_arch = sizes(v),
+                "batch" => b.batch = v.parse().unwrap(),
+                "steps" => b.steps = v.parse().unwrap(),
+                "warmup" => b.warmup = v.parse().unwrap(),
+                "num_batches" => b.num_batches = v.parse().unwrap(),
+                "lr" => b.lr = v.parse().unwrap(),
+                "eps" => b.eps = v.parse().unwrap(),
+                "seed" => b.seed = v.parse().unwrap(),
+                "threads" => b.threads = v.parse().unwrap(),
+                "profile" => b.profile = v == "1" || v == "true",
+                "malloc_tuning" => b.malloc_tuning = v == "1" || v == "true",
+                _ => panic!("unknown key {k}"),
+            }
+        }
+        println!("W2 {}", run(&b).unwrap());
+    }
+}
