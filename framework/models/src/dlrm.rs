@@ -7,7 +7,7 @@ use tch::{Tensor, nn, nn::Module};
 use trainrec_recipe::Diagnostic;
 
 use crate::mlp;
-use crate::{DenseModel, ModelError, ModelFactory, ModelInputs};
+use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DLRM as TorchRec builds it: a dense-arch MLP, pairwise dot interactions with every pooled
 /// embedding, and an over-arch MLP. `[model]` with `kind = "dlrm"`.
@@ -52,7 +52,7 @@ fn mlp_inplace(vs: &nn::Path, input: usize, sizes: &[usize], relu_last: bool) ->
 }
 
 impl Dlrm {
-    /// Builds the parameters under `vs`; `config` must have passed [`DlrmFactory::check`].
+    /// Builds the parameters under `vs`; `config` must have passed [`crate::TypedModel::check`].
     pub fn new(vs: &nn::Path, config: &DlrmConfig, num_dense: usize, num_sparse: usize) -> Self {
         let dim = *config.dense_arch.last().unwrap_or(&0) as i64;
         let n = num_sparse as i64 + 1;
@@ -106,22 +106,14 @@ impl DenseModel for Dlrm {
     }
 }
 
-/// Registers DLRM as `kind = "dlrm"`.
-pub struct DlrmFactory;
+/// Registers DLRM as `kind = "dlrm"`, through the same typed API a plugin uses.
+pub type DlrmFactory = crate::TypedModelFactory<Dlrm>;
 
-impl ModelFactory for DlrmFactory {
-    fn kind(&self) -> &'static str {
-        "dlrm"
-    }
+impl crate::TypedModel for Dlrm {
+    type Config = DlrmConfig;
+    const KIND: &'static str = "dlrm";
 
-    fn config_schema(&self) -> serde_json::Value {
-        serde_json::to_value(schemars::schema_for!(DlrmConfig)).expect("schema serializes")
-    }
-
-    fn check(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Vec<Diagnostic> {
-        let Ok(cfg) = serde_json::from_value::<DlrmConfig>(config.clone()) else {
-            return Vec::new(); // structural problems are reported by the schema check
-        };
+    fn check(cfg: &DlrmConfig, inputs: &ModelInputs) -> Vec<Diagnostic> {
         let mut out = Vec::new();
         mlp::check_layer_sizes("dense_arch", &cfg.dense_arch, 1, None, &mut out);
         mlp::check_layer_sizes("over_arch", &cfg.over_arch, 1, None, &mut out);
@@ -133,24 +125,15 @@ impl ModelFactory for DlrmFactory {
         out
     }
 
-    fn build(
-        &self,
-        vs: &nn::Path,
-        config: &serde_json::Value,
-        inputs: &ModelInputs,
-    ) -> Result<Box<dyn DenseModel>, ModelError> {
-        let problems = self.check(config, inputs);
-        if !problems.is_empty() {
-            return Err(ModelError::Config(problems));
-        }
-        let cfg: DlrmConfig = mlp::parse(config)?;
-        Ok(Box::new(Dlrm::new(vs, &cfg, inputs.num_dense, inputs.sparse.len())))
+    fn build(vs: &nn::Path, cfg: &DlrmConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
+        Ok(Dlrm::new(vs, cfg, inputs.num_dense, inputs.sparse.len()))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ModelFactory;
     use trainrec_recipe::KeyPath;
 
     fn inputs(dims: &[usize]) -> ModelInputs {
@@ -249,16 +232,20 @@ mod tests {
     #[test]
     fn check_names_the_mismatched_dim_and_bad_over_arch() {
         let cfg = serde_json::json!({"dense_arch": [8, 4], "over_arch": [8, 2]});
-        let problems = DlrmFactory.check(&cfg, &inputs(&[4, 5]));
+        let problems = DlrmFactory::default().check(&cfg, &inputs(&[4, 5]));
         let keys: Vec<String> = problems.iter().map(|d| d.key.to_string()).collect();
         assert_eq!(keys, vec!["model.over_arch[1]", "tables[1].dim"]);
         assert!(
-            DlrmFactory.check(&serde_json::json!({"dense_arch": [4], "over_arch": [1]}), &inputs(&[4, 4])).is_empty()
+            DlrmFactory::default()
+                .check(&serde_json::json!({"dense_arch": [4], "over_arch": [1]}), &inputs(&[4, 4]))
+                .is_empty()
         );
         // Two tasks: two logits.
         let two = ModelInputs { num_tasks: 2, ..inputs(&[4, 4]) };
-        assert!(DlrmFactory.check(&serde_json::json!({"dense_arch": [4], "over_arch": [8, 2]}), &two).is_empty());
-        let p = DlrmFactory.check(&serde_json::json!({"dense_arch": [4], "over_arch": [8, 1]}), &two);
+        assert!(
+            DlrmFactory::default().check(&serde_json::json!({"dense_arch": [4], "over_arch": [8, 2]}), &two).is_empty()
+        );
+        let p = DlrmFactory::default().check(&serde_json::json!({"dense_arch": [4], "over_arch": [8, 1]}), &two);
         assert!(p[0].message.contains("size 2 (one logit per task)"), "{}", p[0].message);
     }
 }

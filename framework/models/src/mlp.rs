@@ -121,9 +121,3 @@ pub(crate) fn check_has_dense(model: &str, inputs: &ModelInputs, out: &mut Vec<D
         ));
     }
 }
-
-/// Parses a model config, or returns the diagnostics for [`crate::ModelFactory::build`].
-pub(crate) fn parse<T: serde::de::DeserializeOwned>(config: &serde_json::Value) -> Result<T, crate::ModelError> {
-    serde_json::from_value(config.clone())
-        .map_err(|e| crate::ModelError::Config(vec![Diagnostic::new(model_key(), e.to_string())]))
-}

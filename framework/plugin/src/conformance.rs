@@ -441,10 +441,10 @@ mod tests {
     #[test]
     fn dlrm_conforms_and_a_bad_config_fails_by_key() {
         ModelCase::new("dense_arch = [8, 4]\nover_arch = [8, 1]", 3, &[4, 4])
-            .check_factory(&trainrec_models::DlrmFactory)
+            .check::<trainrec_models::Dlrm>()
             .assert_ok();
-        let report = ModelCase::new("dense_arch = [8, 4]\nover_arch = [8, 1]", 3, &[4, 5])
-            .check_factory(&trainrec_models::DlrmFactory);
+        let report =
+            ModelCase::new("dense_arch = [8, 4]\nover_arch = [8, 1]", 3, &[4, 5]).check::<trainrec_models::Dlrm>();
         let failures = report.failures();
         assert_eq!(failures.len(), 1, "{report}");
         assert!(failures[0].1.contains("tables[1].dim"), "{report}");

@@ -197,7 +197,7 @@ impl Registry {
             .sampler::<trainrec_data::MovieLensSampler>()
             .sampler::<trainrec_data::ParquetSampler>()
             .sampler::<trainrec_data::CsvSampler>()
-            .model_factory(trainrec_models::DlrmFactory)
+            .model::<trainrec_models::Dlrm>()
             .model::<trainrec_models::DlrmDcn>()
             .model::<trainrec_models::DeepFm>()
             .model::<trainrec_models::TwoTower>()
@@ -370,9 +370,7 @@ mod tests {
 
     #[test]
     fn duplicates_and_bad_names_are_reported_together() {
-        let r = Registry::builtin()
-            .sampler::<trainrec_data::SyntheticSampler>()
-            .model_factory(trainrec_models::DlrmFactory);
+        let r = Registry::builtin().sampler::<trainrec_data::SyntheticSampler>().model::<trainrec_models::Dlrm>();
         let err = r.validate().unwrap_err();
         assert_eq!(err.problems.len(), 2, "{err}");
         assert!(err.problems[0].contains("sampler \"synthetic\" is registered twice"), "{err}");
