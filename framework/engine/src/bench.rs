@@ -29,7 +29,7 @@ use std::time::Instant;
 use serde_json::{Value, json};
 use tch::{Device, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema};
-use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
+use trainrec_embedding::EmbeddingBagCollection;
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{LoadOptions, LoadedRecipe};
 use trainrec_sparse::KeyedJaggedTensor;
@@ -241,21 +241,7 @@ impl Parts {
         let recipe = &loaded.recipe;
         crate::configure_threads(recipe.run.threads);
         tch::manual_seed(recipe.run.seed as i64);
-        let tables = recipe
-            .tables
-            .iter()
-            .map(|t| {
-                let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
-                let mut c = EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
-                    .with_precision(t.precision);
-                c.stochastic_rounding = t.stochastic_rounding;
-                c.optimizer = t.optimizer.clone();
-                c
-            })
-            .collect();
-        let mut ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)
-            .map_err(|e| e.to_string())?;
-        ebc.set_bounds_check(recipe.embedding.bounds_check);
+        let ebc = crate::job::recipe_ebc(recipe).map_err(|e| e.to_string())?;
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = crate::check::sparse_outputs(recipe);
         let num_tasks = crate::check::job_tasks(recipe, features).len();

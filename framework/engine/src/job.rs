@@ -141,6 +141,26 @@ impl RecallAtK {
     }
 }
 
+/// The recipe's embedding tables as one collection with their fused optimizers and bounds
+/// check (shared by [`Job::build`] and the W2 benchmark).
+pub(crate) fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_embedding::EmbeddingError> {
+    let tables = recipe
+        .tables
+        .iter()
+        .map(|t| {
+            let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
+            let mut c = EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
+                .with_precision(t.precision);
+            c.stochastic_rounding = t.stochastic_rounding;
+            c.optimizer = t.optimizer.clone();
+            c
+        })
+        .collect();
+    let mut ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;
+    ebc.set_bounds_check(recipe.embedding.bounds_check);
+    Ok(ebc)
+}
+
 /// Sets libtorch's and the embedding kernels' thread counts.
 pub fn configure_threads(threads: Option<usize>) -> usize {
     let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -195,20 +215,7 @@ impl Job {
         };
         let sampler = factory.build(&recipe.data.sampler.config(), &ctx)?;
 
-        let tables = recipe
-            .tables
-            .iter()
-            .map(|t| {
-                let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
-                let mut c = EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
-                    .with_precision(t.precision);
-                c.stochastic_rounding = t.stochastic_rounding;
-                c.optimizer = t.optimizer.clone();
-                c
-            })
-            .collect();
-        let mut ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;
-        ebc.set_bounds_check(recipe.embedding.bounds_check);
+        let ebc = recipe_ebc(&recipe)?;
 
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
