@@ -56,8 +56,9 @@ pub struct EbcBench {
 }
 
 /// Busy core-seconds of the whole machine and of this process (Linux `/proc`), to report
-/// how many cores other processes kept busy during the timed window.
-fn cpu_snapshot() -> Option<(Instant, f64, f64)> {
+/// how many cores other processes kept busy during the timed window. Shared by every
+/// benchmark that reports it.
+pub fn cpu_snapshot() -> Option<(Instant, f64, f64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let v: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
     let busy = v.iter().sum::<f64>() - v.get(3)? - v.get(4)?;

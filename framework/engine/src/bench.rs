@@ -30,6 +30,7 @@ use serde_json::{Value, json};
 use tch::{Device, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema};
 use trainrec_embedding::EmbeddingBagCollection;
+use trainrec_embedding::bench::cpu_snapshot;
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{LoadOptions, LoadedRecipe};
 use trainrec_sparse::KeyedJaggedTensor;
@@ -344,17 +345,6 @@ const SECTION_NAMES: [&str; SECTIONS] = [
     "ebc_backward_update",
     "loss_value",
 ];
-
-/// Busy core-seconds of the machine and of this process (Linux `/proc`).
-fn cpu_snapshot() -> Option<(Instant, f64, f64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let v: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
-    let busy = v.iter().sum::<f64>() - v.get(3)? - v.get(4)?;
-    let me = std::fs::read_to_string("/proc/self/stat").ok()?;
-    let fields: Vec<&str> = me.rsplit_once(')')?.1.split_whitespace().collect();
-    let own = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some((Instant::now(), busy / 100.0, own / 100.0))
-}
 
 fn busy_cores(a: Option<(Instant, f64, f64)>, b: Option<(Instant, f64, f64)>) -> (Value, Value) {
     match (a, b) {
