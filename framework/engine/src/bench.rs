@@ -15,9 +15,8 @@
 //!   forward yet, so the parts are built here from the same recipe, as [`Job::build`] builds
 //!   them.
 //!
-//! With `profile`, two more timed passes run a copy of the train step that times its parts:
-//! `sections_ms` as the engine does it, `sections_ms_zero_copy` without the engine's two
-//! pooled-size copies. The headline numbers always come from [`Job::train_step`].
+//! With `profile`, one more timed pass runs a copy of the train step that times its parts
+//! (`sections_ms`). The headline numbers always come from [`Job::train_step`].
 //! `malloc_tuning` (default on) applies [`tune_allocator`] first.
 //!
 //! `cargo test --release -p trainrec-engine --lib bench::tests::w2 -- --ignored --nocapture`
@@ -124,27 +123,7 @@ impl Default for DlrmBench {
     }
 }
 
-/// Makes glibc's allocator keep freed memory: allocations up to 32 MiB come from the heap
-/// (not a fresh `mmap` each time) and the heap is never trimmed, so a training step's large
-/// tensors (activations, the pooled embeddings and their gradient, ~14 MB each here) reuse
-/// pages already mapped instead of faulting in zeroed ones every step. Process-wide; returns
-/// whether glibc accepted both settings (always false off glibc).
-pub fn tune_allocator() -> bool {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        unsafe extern "C" {
-            fn mallopt(param: i32, value: i32) -> i32;
-        }
-        const M_TRIM_THRESHOLD: i32 = -1;
-        const M_MMAP_THRESHOLD: i32 = -3;
-        // SAFETY: mallopt only changes allocator parameters; any value is accepted or refused.
-        unsafe { mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, i32::MAX) == 1 }
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        false
-    }
-}
+pub use crate::tensors::tune_allocator;
 
 fn list(v: &[usize]) -> String {
     v.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
@@ -265,23 +244,13 @@ impl Parts {
         }))
     }
 
-    /// The pooled embeddings `[batch, width]` as a fresh tensor, written in place by
-    /// [`EmbeddingBagCollection::forward_into`].
     fn pooled_tensor(&self, batch: &Batch) -> Result<Tensor, String> {
-        let (b, w) = (batch.batch_size, self.ebc.width());
-        let t = Tensor::empty([b as i64, w as i64], (tch::Kind::Float, Device::Cpu));
-        // SAFETY: `t` is a new contiguous CPU float tensor of `b * w` elements that nothing
-        // else references while the slice lives.
-        let out = unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), b * w) };
-        self.ebc.forward_into(&batch.sparse, out).map_err(|e| e.to_string())?;
-        Ok(t)
+        crate::tensors::pooled_tensor(&self.ebc, &batch.sparse).map_err(|e| e.to_string())
     }
 
     /// A copy of the engine's train step (`Job::train_step_with`) that adds each part's time
-    /// (seconds) to `t` (see [`SECTION_NAMES`]). `zero_copy`: the EBC writes into the model's
-    /// input tensor and reads the gradient tensor's memory, instead of the engine's two copies
-    /// (`Tensor::from_slice(pooled)`, `Vec::try_from(grad)`).
-    fn train_step_timed(&mut self, batch: &Batch, t: &mut [f64; SECTIONS], zero_copy: bool) -> Result<f64, String> {
+    /// (seconds) to `t` (see [`SECTION_NAMES`]).
+    fn train_step_timed(&mut self, batch: &Batch, t: &mut [f64; SECTIONS]) -> Result<f64, String> {
         let b = batch.batch_size as i64;
         let mut clock = Instant::now();
         let mut lap = |i: usize, t: &mut [f64; SECTIONS]| {
@@ -289,20 +258,11 @@ impl Parts {
             t[i] += (now - clock).as_secs_f64();
             clock = now;
         };
-        let (pooled, sparse) = if zero_copy {
-            let s = self.pooled_tensor(batch)?;
-            lap(0, t);
-            (None, s)
-        } else {
-            let pooled = self.ebc.forward(&batch.sparse).map_err(|e| e.to_string())?;
-            lap(0, t);
-            let s = Tensor::from_slice(pooled.values()).view([b, pooled.width() as i64]);
-            (Some(pooled), s)
-        };
+        let sparse = self.pooled_tensor(batch)?;
+        lap(0, t);
         let dense = Tensor::from_slice(&batch.dense).view([b, self.num_dense as i64]);
         let labels = Tensor::from_slice(&batch.labels).view([b, 1]);
         let sparse = sparse.set_requires_grad(true);
-        drop(pooled);
         lap(1, t);
         let logits = self.model.forward(&dense, &sparse, true);
         let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean);
@@ -313,19 +273,10 @@ impl Parts {
         lap(4, t);
         self.dense_opt.step();
         lap(5, t);
-        let grad = sparse.grad().contiguous();
-        if zero_copy {
-            let n = grad.numel();
-            // SAFETY: `grad` is a contiguous CPU float tensor of `n` elements, alive and not
-            // written while the slice lives.
-            let g = unsafe { std::slice::from_raw_parts(grad.data_ptr().cast::<f32>().cast_const(), n) };
-            lap(6, t);
-            self.ebc.backward_and_update(&batch.sparse, g).map_err(|e| e.to_string())?;
-        } else {
-            let g: Vec<f32> = Vec::try_from(&grad.view([-1])).map_err(|e: tch::TchError| e.to_string())?;
-            lap(6, t);
-            self.ebc.backward_and_update(&batch.sparse, &g).map_err(|e| e.to_string())?;
-        }
+        let grad = sparse.grad();
+        lap(6, t);
+        crate::tensors::with_f32_slice(&grad, |g| self.ebc.backward_and_update(&batch.sparse, g))
+            .map_err(|e| e.to_string())?;
         lap(7, t);
         let v = loss.double_value(&[]);
         lap(8, t);
@@ -341,7 +292,7 @@ const SECTION_NAMES: [&str; SECTIONS] = [
     "zero_grad",
     "backward",
     "dense_optimizer",
-    "grad_to_vec",
+    "grad",
     "ebc_backward_update",
     "loss_value",
 ];
@@ -457,16 +408,16 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
             drop(job);
             if b.profile {
                 let mut parts = Parts::build(&loaded, &features, &registry)?;
-                for (key, zero_copy) in [("sections_ms", false), ("sections_ms_zero_copy", true)] {
+                {
                     let mut t = [0f64; SECTIONS];
                     for _ in 0..b.warmup {
-                        parts.train_step_timed(next(), &mut t, zero_copy)?;
+                        parts.train_step_timed(next(), &mut t)?;
                     }
                     t = [0f64; SECTIONS];
                     let mut steps = Vec::with_capacity(b.steps);
                     for _ in 0..b.steps {
                         let start = Instant::now();
-                        parts.train_step_timed(next(), &mut t, zero_copy)?;
+                        parts.train_step_timed(next(), &mut t)?;
                         steps.push(start.elapsed().as_secs_f64());
                     }
                     let mut s: serde_json::Map<String, Value> = SECTION_NAMES
@@ -476,7 +427,7 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
                         .collect();
                     s.insert("mean".into(), json!((steps.iter().sum::<f64>() / b.steps as f64 * 1e4).round() / 10.0));
                     s.insert("median".into(), json!((median(&steps) * 1e4).round() / 10.0));
-                    meta.insert(key.into(), Value::Object(s));
+                    meta.insert("sections_ms".into(), Value::Object(s));
                 }
             }
             r
@@ -564,7 +515,6 @@ mod tests {
             assert!(v["samples_per_s"]["median"].as_f64().unwrap() > 0.0);
             if mode == DlrmMode::Train {
                 assert!(v["meta"]["last_loss"].as_f64().unwrap().is_finite());
-                assert!(v["meta"]["sections_ms_zero_copy"]["median"].as_f64().is_some());
             }
         }
     }

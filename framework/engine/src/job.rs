@@ -288,8 +288,7 @@ impl Job {
             }));
         }
         let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?;
-        let pooled = self.ebc.forward(&batch.sparse)?;
-        let sparse = Tensor::from_slice(pooled.values()).f_view([b, pooled.width() as i64])?;
+        let sparse = crate::tensors::pooled_tensor(&self.ebc, &batch.sparse)?;
         // [batch, tasks]: each task's label column (all columns, in order, need no selection).
         let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?;
         let identity = self.tasks.len() == self.num_labels && self.tasks.iter().enumerate().all(|(t, &(_, c))| t == c);
@@ -335,10 +334,8 @@ impl Job {
         self.dense_opt.zero_grad();
         loss.backward();
         self.dense_opt.step();
-        let grad = sparse.grad().contiguous().view([-1]);
-        let grad: Vec<f32> =
-            Vec::try_from(&grad).map_err(|e| EngineError::Internal(format!("embedding gradient: {e}")))?;
-        self.ebc.backward_and_update(&batch.sparse, &grad)?;
+        // The EBC reads the gradient tensor's memory in place.
+        crate::tensors::with_f32_slice(&sparse.grad(), |grad| self.ebc.backward_and_update(&batch.sparse, grad))?;
         let predictions = match logits {
             Some(logits) if want_predictions => {
                 let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);

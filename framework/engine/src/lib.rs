@@ -6,6 +6,7 @@ pub mod error;
 pub mod job;
 pub mod plan;
 pub mod reference;
+pub mod tensors;
 /// The registry lives in the plugin crate (plugin authors depend on that crate alone).
 pub use trainrec_plugin::registry;
 

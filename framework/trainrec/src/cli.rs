@@ -715,6 +715,9 @@ fn run(registry: &Registry, path: &std::path::Path, options: &LoadOptions) -> Ex
             return ExitCode::from(2);
         }
     };
+    // Training allocates the same large tensors every step: keep their pages mapped.
+    let tuned = trainrec_engine::tensors::tune_allocator();
+    tracing::debug!(tuned, "allocator tuning");
     let result = Job::build(&loaded, &features, registry).and_then(|mut job| job.run());
     match result {
         Ok(summary) => {
