@@ -1,0 +1,13 @@
+//! Distributed training: the [`ProcessGroup`] trait every communication engine implements, the
+//! in-process [`ThreadGroup`] backend, and the [`ShardedEbc`]: an embedding bag collection whose
+//! tables are split over the ranks of a group by a sharding plan, with its input dist (ids to
+//! the ranks holding their rows) and output dist (pooled embeddings back to the ranks that own
+//! the examples).
+
+pub mod group;
+pub mod sharded;
+pub mod thread;
+
+pub use group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp};
+pub use sharded::{DistContext, ShardSpec, ShardedEbc, TableSharding};
+pub use thread::ThreadGroup;

@@ -1,0 +1,734 @@
+//! A sharded embedding bag collection: TorchRec's `ShardedEmbeddingBagCollection`.
+//!
+//! Each table is cut into shards, blocks of rows x columns, each held by one rank; together
+//! they tile the table. The sharding types are shapes of that tiling: table-wise (one shard),
+//! column-wise and table-column-wise (column blocks), row-wise and table-row-wise (row blocks),
+//! grid (column blocks cut into row blocks); data-parallel tables are whole on every rank.
+//!
+//! A step on rank `r` with a local batch of `B_r` examples:
+//!
+//! 1. **Input dist.** Every id goes to the rank holding its row (row-sharded tables bucketize
+//!    ids by row range and shift them to the shard's first row). Splits first: one all-to-all
+//!    of batch size and id count per destination, then one all-to-all each of bag lengths, ids
+//!    and weights, for all tables at once. A rank then holds, for each of its shards, the bags
+//!    of the whole global batch (sources in rank order).
+//! 2. **Lookup.** One local collection over the rank's shards pools (sum) every bag.
+//! 3. **Output dist.** One all-to-all sends each source rank its examples' pooled rows; the
+//!    source adds them into their columns of its `[B_r, width]` output (column blocks land
+//!    side by side; row blocks are partial sums and add up). Mean pooling is computed as the
+//!    sum divided by the bag's id count afterwards, as TorchRec does under row-wise sharding.
+//! 4. **Backward.** The reverse all-to-all brings each shard the output gradient of every
+//!    global example it pooled; the local collection's fused optimizer updates its rows once
+//!    per unique row with the gradient summed over the global batch, exactly as the unsharded
+//!    collection would on the global batch. Data-parallel tables all-gather ids and gradients
+//!    and apply the same global update on every replica.
+//!
+//! Optimizer state is per shard: under column-wise sharding a row-wise optimizer (row-wise
+//! Adagrad) keeps one state per row per column block, as FBGEMM does with one table per shard;
+//! element-wise optimizers are unaffected.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig};
+use trainrec_planner::{ShardingType, TablePlan};
+use trainrec_sparse::KeyedJaggedTensor;
+
+use crate::group::{DistError, ProcessGroup, ProcessGroupExt};
+
+/// One block of a table on one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// The rank holding it.
+    pub rank: usize,
+    /// Its rows of the table.
+    pub rows: Range<u64>,
+    /// Its columns of the table.
+    pub cols: Range<usize>,
+}
+
+/// How one table is split over the ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TableSharding {
+    /// The sharding type (data-parallel tables ignore `shards`: they live whole on every rank).
+    pub sharding_type: ShardingType,
+    /// The blocks, tiling `rows x dim`.
+    pub shards: Vec<ShardSpec>,
+}
+
+impl TableSharding {
+    /// The whole table on `rank`.
+    pub fn table_wise(rows: u64, dim: usize, rank: usize) -> Self {
+        Self { sharding_type: ShardingType::TableWise, shards: vec![ShardSpec { rank, rows: 0..rows, cols: 0..dim }] }
+    }
+
+    /// Even row blocks over `ranks` (the last ones smaller), TorchRec's row-wise block size
+    /// `ceil(rows / n)`; table-row-wise when `ranks` is one host's ranks.
+    pub fn row_wise(rows: u64, dim: usize, ranks: &[usize]) -> Self {
+        let block = rows.div_ceil(ranks.len().max(1) as u64).max(1);
+        let shards = ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &rank)| {
+                let start = (i as u64 * block).min(rows);
+                let end = ((i as u64 + 1) * block).min(rows);
+                (end > start).then_some(ShardSpec { rank, rows: start..end, cols: 0..dim })
+            })
+            .collect();
+        Self { sharding_type: ShardingType::RowWise, shards }
+    }
+
+    /// Column blocks of `block` columns (the last one smaller), one per entry of `ranks`.
+    pub fn column_wise(rows: u64, dim: usize, block: usize, ranks: &[usize]) -> Self {
+        let shards = ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &rank)| {
+                let start = (i * block).min(dim);
+                let end = ((i + 1) * block).min(dim);
+                (end > start).then_some(ShardSpec { rank, rows: 0..rows, cols: start..end })
+            })
+            .collect();
+        Self { sharding_type: ShardingType::ColumnWise, shards }
+    }
+
+    /// A replica on every rank.
+    pub fn data_parallel() -> Self {
+        Self { sharding_type: ShardingType::DataParallel, shards: Vec::new() }
+    }
+
+    /// The same blocks under another sharding type's name (e.g. `TableRowWise` for
+    /// [`Self::row_wise`] over one host's ranks).
+    pub fn named(mut self, sharding_type: ShardingType) -> Self {
+        self.sharding_type = sharding_type;
+        self
+    }
+
+    /// A table's placement from the planner's plan.
+    pub fn from_plan(plan: &TablePlan) -> Self {
+        Self {
+            sharding_type: plan.sharding_type,
+            shards: plan
+                .shards
+                .iter()
+                .map(|s| ShardSpec {
+                    rank: s.rank,
+                    rows: s.offset[0]..s.offset[0] + s.size[0],
+                    cols: s.offset[1] as usize..(s.offset[1] + s.size[1]) as usize,
+                })
+                .collect(),
+        }
+    }
+
+    /// Checks that the shards tile `rows x dim` on ranks below `world`.
+    fn check(&self, table: &str, rows: u64, dim: usize, world: usize) -> Result<(), DistError> {
+        let bad = |m: String| Err(DistError::Module(format!("table '{table}': {m}")));
+        if self.sharding_type == ShardingType::DataParallel {
+            return Ok(());
+        }
+        if self.shards.is_empty() {
+            return bad("its sharding has no shards".into());
+        }
+        let mut area = 0u128;
+        for (i, s) in self.shards.iter().enumerate() {
+            if s.rank >= world {
+                return bad(format!("shard {i} is on rank {} but the world has {world} ranks", s.rank));
+            }
+            if s.rows.is_empty() || s.cols.is_empty() || s.rows.end > rows || s.cols.end > dim {
+                return bad(format!(
+                    "shard {i} (rows {:?}, columns {:?}) is empty or outside the table's {rows} x {dim}",
+                    s.rows, s.cols
+                ));
+            }
+            for (j, o) in self.shards[..i].iter().enumerate() {
+                let rows_meet = s.rows.start < o.rows.end && o.rows.start < s.rows.end;
+                let cols_meet = s.cols.start < o.cols.end && o.cols.start < s.cols.end;
+                if rows_meet && cols_meet {
+                    return bad(format!("shards {j} and {i} overlap"));
+                }
+            }
+            area += (s.rows.end - s.rows.start) as u128 * s.cols.len() as u128;
+        }
+        if area != rows as u128 * dim as u128 {
+            return bad(format!("the shards cover {area} of the table's {} cells", rows as u128 * dim as u128));
+        }
+        Ok(())
+    }
+}
+
+/// One pooled output of the collection (one per feature of each table, table order then
+/// feature order, as the unsharded collection).
+#[derive(Clone, Debug)]
+struct Output {
+    table: usize,
+    /// The input feature it reads (`x` for an output named `x@table`).
+    input: String,
+    /// First column in the `[batch, width]` output.
+    col: usize,
+    mean: bool,
+}
+
+/// One output's ids sent to one shard.
+#[derive(Clone, Copy, Debug)]
+struct Route {
+    output: usize,
+    table: usize,
+    shard: usize,
+}
+
+/// What a forward leaves for its backward (one per batch in flight).
+pub struct DistContext {
+    /// The rank's local lookups over the global batch (absent without local shards).
+    local_kjt: Option<KeyedJaggedTensor>,
+    /// Examples per rank, rank order.
+    batch_sizes: Vec<usize>,
+    /// `1 / ids` per (mean output, example); empty for sum outputs.
+    mean_scale: Vec<Vec<f32>>,
+    /// The data-parallel features of the local batch.
+    dp_kjt: Option<KeyedJaggedTensor>,
+}
+
+/// An embedding bag collection sharded over a process group (see the module docs).
+pub struct ShardedEbc {
+    pg: Arc<dyn ProcessGroup>,
+    tables: Vec<EmbeddingBagConfig>,
+    shardings: Vec<TableSharding>,
+    outputs: Vec<Output>,
+    width: usize,
+    /// `routes[d]`: what rank `d` looks up, in its local collection's output order.
+    routes: Vec<Vec<Route>>,
+    /// Local output columns of each rank's routes (prefix sums of shard widths).
+    route_cols: Vec<Vec<usize>>,
+    /// Width of each rank's local output.
+    local_width: Vec<usize>,
+    local: Option<EmbeddingBagCollection>,
+    /// Local table name of each (table, shard) held here.
+    local_names: Vec<Vec<Option<String>>>,
+    dp: Option<EmbeddingBagCollection>,
+    dp_outputs: Vec<usize>,
+}
+
+fn module<E: std::fmt::Display>(e: E) -> DistError {
+    DistError::Module(e.to_string())
+}
+
+impl ShardedEbc {
+    /// Builds this rank's part of the collection: its shards of every table (initialised
+    /// uniform in `±sqrt(1/rows)` of the whole table, deterministically from `seed`, the table
+    /// and the shard) and the replicas of data-parallel tables. Every rank must pass the same
+    /// tables and shardings.
+    pub fn new(
+        tables: Vec<EmbeddingBagConfig>,
+        shardings: Vec<TableSharding>,
+        optimizer: SparseOptimizerConfig,
+        seed: u64,
+        pg: Arc<dyn ProcessGroup>,
+    ) -> Result<Self, DistError> {
+        if tables.len() != shardings.len() {
+            return Err(DistError::Module(format!("{} tables but {} shardings", tables.len(), shardings.len())));
+        }
+        let (world, me) = (pg.world_size(), pg.rank());
+        for (t, s) in tables.iter().zip(&shardings) {
+            s.check(&t.name, t.rows, t.dim, world)?;
+        }
+        let mut outputs = Vec::new();
+        let mut col = 0;
+        for (ti, t) in tables.iter().enumerate() {
+            for f in &t.features {
+                let input = f.split('@').next().unwrap_or(f).to_string();
+                outputs.push(Output { table: ti, input, col, mean: t.pooling == PoolingMode::Mean });
+                col += t.dim;
+            }
+        }
+        let mut routes = vec![Vec::new(); world];
+        for (ti, s) in shardings.iter().enumerate() {
+            if s.sharding_type == ShardingType::DataParallel {
+                continue;
+            }
+            for (si, shard) in s.shards.iter().enumerate() {
+                for (oi, _) in outputs.iter().enumerate().filter(|(_, o)| o.table == ti) {
+                    routes[shard.rank].push(Route { output: oi, table: ti, shard: si });
+                }
+            }
+        }
+        let width_of = |r: &Route| shardings[r.table].shards[r.shard].cols.len();
+        let route_cols: Vec<Vec<usize>> = routes
+            .iter()
+            .map(|rs| {
+                let mut at = 0;
+                rs.iter()
+                    .map(|r| {
+                        let c = at;
+                        at += width_of(r);
+                        c
+                    })
+                    .collect()
+            })
+            .collect();
+        let local_width: Vec<usize> = routes.iter().map(|rs| rs.iter().map(width_of).sum()).collect();
+
+        // This rank's shards, one local table each, its features named `<output>/<shard>`.
+        let mut local_tables = Vec::new();
+        let mut local_names = vec![Vec::new(); tables.len()];
+        let mut init = Vec::new();
+        for (ti, (t, s)) in tables.iter().zip(&shardings).enumerate() {
+            local_names[ti] = vec![None; s.shards.len()];
+            if s.sharding_type == ShardingType::DataParallel {
+                continue;
+            }
+            for (si, shard) in s.shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
+                let name = format!("{}/shard{si}", t.name);
+                let features: Vec<String> = t.features.iter().map(|f| format!("{f}/shard{si}")).collect();
+                let mut c = t.clone();
+                c.name = name.clone();
+                c.rows = shard.rows.end - shard.rows.start;
+                c.dim = shard.cols.len();
+                c.pooling = PoolingMode::Sum;
+                c.features = features;
+                local_tables.push(c);
+                init.push((name.clone(), ti, si, (shard.rows.end - shard.rows.start) as usize * shard.cols.len()));
+                local_names[ti][si] = Some(name);
+            }
+        }
+        let local = if local_tables.is_empty() {
+            None
+        } else {
+            let mut ebc = EmbeddingBagCollection::new(local_tables, optimizer.clone(), seed).map_err(module)?;
+            for (name, ti, si, n) in init {
+                let scale = (1.0 / tables[ti].rows as f64).sqrt() as f32;
+                let mut rng =
+                    StdRng::seed_from_u64(seed ^ ((ti as u64 + 1) << 32) ^ (si as u64 + 1).wrapping_mul(0x9E37_79B9));
+                let w: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..=scale)).collect();
+                ebc.set_table_weights(&name, w).map_err(module)?;
+            }
+            Some(ebc)
+        };
+        let expected: Vec<String> = routes[me]
+            .iter()
+            .map(|r| {
+                format!("{}/shard{}", tables[r.table].features[r.output - first_output(&outputs, r.table)], r.shard)
+            })
+            .collect();
+        if let Some(l) = &local {
+            if l.output_keys() != expected {
+                return Err(DistError::Module(format!(
+                    "internal: local outputs {:?} differ from routes {expected:?}",
+                    l.output_keys()
+                )));
+            }
+        }
+
+        let dp_tables: Vec<EmbeddingBagConfig> = tables
+            .iter()
+            .zip(&shardings)
+            .filter(|(_, s)| s.sharding_type == ShardingType::DataParallel)
+            .map(|(t, _)| t.clone())
+            .collect();
+        let dp_outputs: Vec<usize> = (0..outputs.len())
+            .filter(|&o| shardings[outputs[o].table].sharding_type == ShardingType::DataParallel)
+            .collect();
+        let dp = if dp_tables.is_empty() {
+            None
+        } else {
+            Some(EmbeddingBagCollection::new(dp_tables, optimizer, seed).map_err(module)?)
+        };
+        Ok(Self {
+            pg,
+            tables,
+            shardings,
+            outputs,
+            width: col,
+            routes,
+            route_cols,
+            local_width,
+            local,
+            local_names,
+            dp,
+            dp_outputs,
+        })
+    }
+
+    /// Floats per example of the output (the unsharded collection's width).
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// The process group.
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.pg
+    }
+
+    /// Pooled lookups of this rank's batch `kjt` (every input feature, `B` bags each):
+    /// `[B, width]` row-major, the unsharded collection's layout, and the context its
+    /// backward needs. Collective: every rank calls it with its own batch.
+    pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<f32>, DistContext), DistError> {
+        if kjt.variable_stride_per_key() {
+            return Err(DistError::Module(
+                "variable-batch (VBE) inputs are not supported by the sharded collection yet".into(),
+            ));
+        }
+        let (world, me) = (self.pg.world_size(), self.pg.rank());
+        let b = kjt.stride();
+        let keys: Vec<usize> = self
+            .outputs
+            .iter()
+            .map(|o| {
+                kjt.key_index(&o.input).ok_or_else(|| {
+                    DistError::Module(format!(
+                        "the batch has no feature '{}' (table '{}')",
+                        o.input, self.tables[o.table].name
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        for (o, &k) in self.outputs.iter().zip(&keys) {
+            let rows = self.tables[o.table].rows;
+            if let Some(&id) = kjt.feature(k).values.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+                return Err(DistError::Module(format!(
+                    "feature '{}': id {id} is outside table '{}' ({rows} rows)",
+                    o.input, self.tables[o.table].name
+                )));
+            }
+        }
+        let weighted = kjt.weights().is_some();
+
+        // Input dist payloads, one per destination, route-major.
+        let mut lengths: Vec<u32> = Vec::new();
+        let mut values: Vec<i64> = Vec::new();
+        let mut weights: Vec<f32> = Vec::new();
+        let (mut len_counts, mut val_counts) = (vec![0usize; world], vec![0usize; world]);
+        for d in 0..world {
+            let (l0, v0) = (lengths.len(), values.len());
+            for r in &self.routes[d] {
+                let f = kjt.feature(keys[r.output]);
+                let shard = &self.shardings[r.table].shards[r.shard];
+                let full = shard.rows.start == 0 && shard.rows.end == self.tables[r.table].rows;
+                for bag in 0..b {
+                    let (s, e) = (f.bag_start(bag), f.bag_start(bag + 1));
+                    let mut n = 0u32;
+                    for pos in s..e {
+                        let id = f.values[pos] as u64;
+                        if full || shard.rows.contains(&id) {
+                            values.push((id - shard.rows.start) as i64);
+                            if let Some(w) = f.weights {
+                                weights.push(w[pos]);
+                            }
+                            n += 1;
+                        }
+                    }
+                    lengths.push(n);
+                }
+            }
+            len_counts[d] = lengths.len() - l0;
+            val_counts[d] = values.len() - v0;
+        }
+        // Splits first: batch size, id count and weightedness per destination.
+        let mut splits = Vec::with_capacity(3 * world);
+        for &n in &val_counts {
+            splits.extend([b as u64, n as u64, weighted as u64]);
+        }
+        let got = self.pg.all_to_all_counts(&splits)?;
+        let batch_sizes: Vec<usize> = (0..world).map(|s| got[3 * s] as usize).collect();
+        let recv_vals: Vec<usize> = (0..world).map(|s| got[3 * s + 1] as usize).collect();
+        if let Some(s) = (0..world).find(|&s| (got[3 * s + 2] != 0) != weighted) {
+            return Err(DistError::Module(format!(
+                "rank {s}'s batch is {}weighted but rank {me}'s is {}weighted: every rank must send the same features",
+                if got[3 * s + 2] != 0 { "" } else { "not " },
+                if weighted { "" } else { "not " }
+            )));
+        }
+        let mine = &self.routes[me];
+        let recv_lens: Vec<usize> = batch_sizes.iter().map(|&bs| bs * mine.len()).collect();
+        let lengths = self.pg.all_to_all_v(&lengths, &len_counts, &recv_lens)?;
+        let values = self.pg.all_to_all_v(&values, &val_counts, &recv_vals)?;
+        let weights = if weighted { Some(self.pg.all_to_all_v(&weights, &val_counts, &recv_vals)?) } else { None };
+        let total: usize = batch_sizes.iter().sum();
+
+        // The local KJT over the global batch: per route, the sources' bags in rank order.
+        let local_kjt = if let Some(local) = &self.local {
+            let keys = local.output_keys();
+            let (mut lens, mut vals, mut ws) = (Vec::new(), Vec::new(), Vec::new());
+            // Per source: where its lengths and values start.
+            let mut len_at = Vec::with_capacity(world);
+            let mut val_at = Vec::with_capacity(world);
+            let (mut la, mut va) = (0, 0);
+            for s in 0..world {
+                len_at.push(la);
+                val_at.push(va);
+                la += recv_lens[s];
+                va += recv_vals[s];
+            }
+            // Per source, the value offset of each route (route-major payloads).
+            let mut cursor = val_at.clone();
+            for j in 0..mine.len() {
+                for s in 0..world {
+                    let bs = batch_sizes[s];
+                    let l = &lengths[len_at[s] + j * bs..][..bs];
+                    let n: usize = l.iter().map(|&x| x as usize).sum();
+                    lens.extend_from_slice(l);
+                    vals.extend_from_slice(&values[cursor[s]..cursor[s] + n]);
+                    if let Some(w) = &weights {
+                        ws.extend_from_slice(&w[cursor[s]..cursor[s] + n]);
+                    }
+                    cursor[s] += n;
+                }
+            }
+            Some(KeyedJaggedTensor::new(keys, vals, weighted.then_some(ws), lens, total).map_err(module)?)
+        } else {
+            None
+        };
+
+        // Lookup, then the output dist: each source gets its rows of every local output.
+        let lw = self.local_width[me];
+        let mut pooled = vec![0f32; total * lw];
+        if let (Some(local), Some(k)) = (&self.local, &local_kjt) {
+            local.forward_into(k, &mut pooled).map_err(module)?;
+        }
+        let send_counts: Vec<usize> = batch_sizes.iter().map(|&bs| bs * lw).collect();
+        let recv_counts: Vec<usize> = (0..world).map(|d| b * self.local_width[d]).collect();
+        let recv = self.pg.all_to_all_v(&pooled, &send_counts, &recv_counts)?;
+        let w = self.width;
+        let mut out = vec![0f32; b * w];
+        let mut at = 0;
+        for d in 0..world {
+            let dw = self.local_width[d];
+            let block = &recv[at..at + b * dw];
+            at += b * dw;
+            for (j, r) in self.routes[d].iter().enumerate() {
+                let shard = &self.shardings[r.table].shards[r.shard];
+                let (src, dst, n) =
+                    (self.route_cols[d][j], self.outputs[r.output].col + shard.cols.start, shard.cols.len());
+                for e in 0..b {
+                    let o = &mut out[e * w + dst..][..n];
+                    for (x, y) in o.iter_mut().zip(&block[e * dw + src..][..n]) {
+                        *x += y;
+                    }
+                }
+            }
+        }
+
+        // Data-parallel tables: local lookups on the local batch.
+        let dp_kjt = if let Some(dp) = &self.dp {
+            let names: Vec<&str> = self.dp_outputs.iter().map(|&o| self.outputs[o].input.as_str()).collect();
+            let mut unique: Vec<&str> = Vec::new();
+            for n in names {
+                if !unique.contains(&n) {
+                    unique.push(n);
+                }
+            }
+            let k = kjt.select_keys(&unique).map_err(module)?;
+            let pooled = dp.forward(&k).map_err(module)?;
+            let (vals, pw) = (pooled.values(), pooled.width());
+            let mut c = 0;
+            for &o in &self.dp_outputs {
+                let dim = self.tables[self.outputs[o].table].dim;
+                for e in 0..b {
+                    out[e * w + self.outputs[o].col..][..dim].copy_from_slice(&vals[e * pw + c..][..dim]);
+                }
+                c += dim;
+            }
+            Some(k)
+        } else {
+            None
+        };
+
+        // Mean pooling of sharded tables: the sum over the bag's ids, divided by their count.
+        let mut mean_scale = vec![Vec::new(); self.outputs.len()];
+        for (oi, o) in self.outputs.iter().enumerate() {
+            if !o.mean || self.shardings[o.table].sharding_type == ShardingType::DataParallel {
+                continue;
+            }
+            let f = kjt.feature(keys[oi]);
+            let dim = self.tables[o.table].dim;
+            let scale: Vec<f32> = f.lengths.iter().map(|&l| if l > 0 { 1.0 / l as f32 } else { 1.0 }).collect();
+            for (e, s) in scale.iter().enumerate() {
+                for x in &mut out[e * w + o.col..][..dim] {
+                    *x *= s;
+                }
+            }
+            mean_scale[oi] = scale;
+        }
+        Ok((out, DistContext { local_kjt, batch_sizes, mean_scale, dp_kjt }))
+    }
+
+    /// Backward fused with the optimizer, from the gradient of this rank's `[B, width]` output
+    /// (the reverse of the output dist, then each shard's fused update over the global batch).
+    /// Collective.
+    pub fn backward_and_update(&mut self, ctx: DistContext, grad: &[f32]) -> Result<(), DistError> {
+        let (world, me) = (self.pg.world_size(), self.pg.rank());
+        let b = ctx.batch_sizes[me];
+        let w = self.width;
+        if grad.len() != b * w {
+            return Err(DistError::Module(format!(
+                "gradient has {} floats, expected batch {b} x width {w}",
+                grad.len()
+            )));
+        }
+        let mut send = Vec::with_capacity(b * self.local_width.iter().sum::<usize>());
+        let mut send_counts = vec![0usize; world];
+        for (count, routes) in send_counts.iter_mut().zip(&self.routes) {
+            let start = send.len();
+            for e in 0..b {
+                for r in routes {
+                    let shard = &self.shardings[r.table].shards[r.shard];
+                    let o = &self.outputs[r.output];
+                    let g = &grad[e * w + o.col + shard.cols.start..][..shard.cols.len()];
+                    match ctx.mean_scale[r.output].get(e) {
+                        Some(&s) => send.extend(g.iter().map(|x| x * s)),
+                        None => send.extend_from_slice(g),
+                    }
+                }
+            }
+            *count = send.len() - start;
+        }
+        let lw = self.local_width[me];
+        let recv_counts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * lw).collect();
+        // Sources in rank order: exactly the local KJT's bag order.
+        let local_grad = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
+        if let (Some(local), Some(k)) = (&mut self.local, &ctx.local_kjt) {
+            local.backward_and_update(k, &local_grad).map_err(module)?;
+        }
+
+        if let (Some(dp), Some(k)) = (&mut self.dp, &ctx.dp_kjt) {
+            // Every replica applies the global batch's update: gather ids and gradients.
+            let dw: usize = self.dp_outputs.iter().map(|&o| self.tables[self.outputs[o].table].dim).sum();
+            let mut g = Vec::with_capacity(b * dw);
+            for e in 0..b {
+                for &o in &self.dp_outputs {
+                    let dim = self.tables[self.outputs[o].table].dim;
+                    g.extend_from_slice(&grad[e * w + self.outputs[o].col..][..dim]);
+                }
+            }
+            let sizes = self.pg.all_gather_u64(k.values().len() as u64)?;
+            let vcounts: Vec<usize> = sizes.iter().map(|&n| n as usize).collect();
+            let nkeys = k.keys().len();
+            let lcounts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * nkeys).collect();
+            let gcounts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * dw).collect();
+            let lengths = self.pg.all_gather_v(k.lengths(), &lcounts)?;
+            let values = self.pg.all_gather_v(k.values(), &vcounts)?;
+            let weights = match k.weights() {
+                Some(wts) => Some(self.pg.all_gather_v(wts, &vcounts)?),
+                None => None,
+            };
+            let grads = self.pg.all_gather_v(&g, &gcounts)?;
+            let global = concat_by_rank(k.keys(), &ctx.batch_sizes, &lengths, &values, weights.as_deref())?;
+            dp.backward_and_update(&global, &grads).map_err(module)?;
+        }
+        Ok(())
+    }
+
+    /// The whole table `name` as fp32 `[rows, dim]`, assembled from every rank's shards.
+    /// Collective (every rank gets it).
+    pub fn table_weights(&self, name: &str) -> Result<Vec<f32>, DistError> {
+        let ti = self.table_index(name)?;
+        let t = &self.tables[ti];
+        let s = &self.shardings[ti];
+        if s.sharding_type == ShardingType::DataParallel {
+            let dp = self.dp.as_ref().expect("data-parallel tables have replicas");
+            return dp.table_weights(name).ok_or_else(|| DistError::Module(format!("no table '{name}'")));
+        }
+        let me = self.pg.rank();
+        let mut local = Vec::new();
+        for (si, _) in s.shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
+            let lname = self.local_names[ti][si].as_ref().expect("a local shard has a local table");
+            local.extend(self.local.as_ref().and_then(|l| l.table_weights(lname)).unwrap_or_default());
+        }
+        let mut counts = vec![0usize; self.pg.world_size()];
+        for sh in &s.shards {
+            counts[sh.rank] += (sh.rows.end - sh.rows.start) as usize * sh.cols.len();
+        }
+        let all = self.pg.all_gather_v(&local, &counts)?;
+        // Rank-order blocks, each rank's shards in shard order.
+        let mut full = vec![0f32; t.rows as usize * t.dim];
+        let mut at: Vec<usize> = Vec::with_capacity(counts.len());
+        let mut acc = 0;
+        for c in &counts {
+            at.push(acc);
+            acc += c;
+        }
+        for sh in &s.shards {
+            let n = sh.cols.len();
+            for r in sh.rows.clone() {
+                full[r as usize * t.dim + sh.cols.start..][..n].copy_from_slice(&all[at[sh.rank]..at[sh.rank] + n]);
+                at[sh.rank] += n;
+            }
+        }
+        Ok(full)
+    }
+
+    /// Replaces table `name` from its whole `[rows, dim]` fp32 weights: each rank keeps its
+    /// shards' blocks (e.g. to start from an unsharded collection's weights). Not collective.
+    pub fn set_table_weights(&mut self, name: &str, weights: &[f32]) -> Result<(), DistError> {
+        let ti = self.table_index(name)?;
+        let (rows, dim) = (self.tables[ti].rows as usize, self.tables[ti].dim);
+        if weights.len() != rows * dim {
+            return Err(DistError::Module(format!("table '{name}': {} weights for {rows} x {dim}", weights.len())));
+        }
+        if self.shardings[ti].sharding_type == ShardingType::DataParallel {
+            let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
+            return dp.set_table_weights(name, weights.to_vec()).map_err(module);
+        }
+        let me = self.pg.rank();
+        for (si, sh) in self.shardings[ti].shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
+            let mut block = Vec::with_capacity((sh.rows.end - sh.rows.start) as usize * sh.cols.len());
+            for r in sh.rows.clone() {
+                block.extend_from_slice(&weights[r as usize * dim + sh.cols.start..][..sh.cols.len()]);
+            }
+            let lname = self.local_names[ti][si].as_ref().expect("a local shard has a local table");
+            self.local.as_mut().expect("local shards").set_table_weights(lname, block).map_err(module)?;
+        }
+        Ok(())
+    }
+
+    fn table_index(&self, name: &str) -> Result<usize, DistError> {
+        self.tables.iter().position(|t| t.name == name).ok_or_else(|| DistError::Module(format!("no table '{name}'")))
+    }
+}
+
+fn first_output(outputs: &[Output], table: usize) -> usize {
+    outputs.iter().position(|o| o.table == table).unwrap_or(0)
+}
+
+/// The KJT of the global batch from every rank's part (all keys of one rank, then the next):
+/// per key, the ranks' bags in rank order.
+fn concat_by_rank(
+    keys: &[String],
+    batch_sizes: &[usize],
+    lengths: &[u32],
+    values: &[i64],
+    weights: Option<&[f32]>,
+) -> Result<KeyedJaggedTensor, DistError> {
+    let nkeys = keys.len();
+    let total: usize = batch_sizes.iter().sum();
+    // Per rank: where its lengths and values start, and each key's value offset within it.
+    let mut per_rank = Vec::with_capacity(batch_sizes.len());
+    let (mut la, mut va) = (0usize, 0usize);
+    for &bs in batch_sizes {
+        let lens = &lengths[la..la + bs * nkeys];
+        let mut key_at = Vec::with_capacity(nkeys);
+        let mut v = va;
+        for k in 0..nkeys {
+            key_at.push(v);
+            v += lens[k * bs..(k + 1) * bs].iter().map(|&x| x as usize).sum::<usize>();
+        }
+        per_rank.push((la, key_at));
+        la += bs * nkeys;
+        va = v;
+    }
+    let (mut lens, mut vals, mut ws) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..nkeys {
+        for (r, &bs) in batch_sizes.iter().enumerate() {
+            let (l0, key_at) = &per_rank[r];
+            let l = &lengths[l0 + k * bs..][..bs];
+            let n: usize = l.iter().map(|&x| x as usize).sum();
+            lens.extend_from_slice(l);
+            vals.extend_from_slice(&values[key_at[k]..key_at[k] + n]);
+            if let Some(w) = weights {
+                ws.extend_from_slice(&w[key_at[k]..key_at[k] + n]);
+            }
+        }
+    }
+    KeyedJaggedTensor::new(keys.to_vec(), vals, weights.map(|_| ws), lens, total).map_err(module)
+}
