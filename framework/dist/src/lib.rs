@@ -4,10 +4,15 @@
 //! the ranks holding their rows) and output dist (pooled embeddings back to the ranks that own
 //! the examples).
 
+pub mod conformance;
 pub mod group;
+#[cfg(feature = "mpi")]
+pub mod mpi_group;
 pub mod sharded;
 pub mod thread;
 
 pub use group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp};
+#[cfg(feature = "mpi")]
+pub use mpi_group::MpiGroup;
 pub use sharded::{DistContext, ShardSpec, ShardedEbc, TableSharding};
 pub use thread::ThreadGroup;

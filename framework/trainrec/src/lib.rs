@@ -7,6 +7,7 @@ pub mod cli;
 pub mod report;
 
 pub use trainrec_data as data;
+pub use trainrec_dist as dist;
 pub use trainrec_embedding as embedding;
 pub use trainrec_engine as engine;
 pub use trainrec_engine::{EngineError, Job, RunSummary};
