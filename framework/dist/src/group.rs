@@ -215,3 +215,29 @@ pub(crate) fn check_counts(
     }
     Ok(())
 }
+
+/// Checks an all-gather's counts (one per rank) and that this rank's count is its data's size.
+pub(crate) fn check_gather(
+    op: &'static str,
+    counts: &[usize],
+    world: usize,
+    rank: usize,
+    len: usize,
+) -> Result<(), DistError> {
+    check_counts(op, counts, world, None)?;
+    if counts[rank] != len {
+        return Err(DistError::Invalid {
+            op,
+            message: format!("rank {rank} gives {len} bytes, its count says {}", counts[rank]),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that a root rank is in the group.
+pub(crate) fn check_root(op: &'static str, root: usize, world: usize) -> Result<(), DistError> {
+    if root >= world {
+        return Err(DistError::Invalid { op, message: format!("root {root} outside world size {world}") });
+    }
+    Ok(())
+}

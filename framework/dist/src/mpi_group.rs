@@ -16,7 +16,7 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::{Count, Threading};
 
-use crate::group::{DistError, ProcessGroup, ReduceOp, check_counts};
+use crate::group::{DistError, ProcessGroup, ReduceOp, check_counts, check_gather, check_root};
 
 struct State {
     world: SimpleCommunicator,
@@ -168,18 +168,7 @@ impl ProcessGroup for MpiGroup {
 
     fn all_gather_v_bytes(&self, local: &[u8], counts: &[usize]) -> Result<Vec<u8>, DistError> {
         const OP: &str = "all_gather";
-        check_counts(OP, counts, self.size, None)?;
-        if counts[self.rank] != local.len() {
-            return Err(DistError::Invalid {
-                op: OP,
-                message: format!(
-                    "rank {} gives {} bytes, its count says {}",
-                    self.rank,
-                    local.len(),
-                    counts[self.rank]
-                ),
-            });
-        }
+        check_gather(OP, counts, self.size, self.rank, local.len())?;
         let c: Vec<Count> = counts.iter().map(|&n| count(n, OP)).collect::<Result<_, _>>()?;
         let d = displs(&c);
         let mut recv = buffer::<u8>(counts.iter().sum());
@@ -244,12 +233,7 @@ impl ProcessGroup for MpiGroup {
 
     fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<(), DistError> {
         const OP: &str = "broadcast";
-        if root >= self.size {
-            return Err(DistError::Invalid {
-                op: OP,
-                message: format!("root {root} outside world size {}", self.size),
-            });
-        }
+        check_root(OP, root, self.size)?;
         let (st, seq, deadline) = self.begin();
         mpi::request::scope(|scope| {
             let req = st.world.process_at_rank(root as i32).immediate_broadcast_into(scope, data);

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
-use crate::group::{DistError, ProcessGroup, ReduceOp, check_counts};
+use crate::group::{DistError, ProcessGroup, ReduceOp, check_counts, check_gather, check_root};
 
 /// One message of one collective.
 struct Packet {
@@ -210,18 +210,7 @@ impl ProcessGroup for ThreadGroup {
 
     fn all_gather_v_bytes(&self, local: &[u8], counts: &[usize]) -> Result<Vec<u8>, DistError> {
         const OP: &str = "all_gather";
-        check_counts(OP, counts, self.world, None)?;
-        if counts[self.rank] != local.len() {
-            return Err(DistError::Invalid {
-                op: OP,
-                message: format!(
-                    "rank {} gives {} bytes, its count says {}",
-                    self.rank,
-                    local.len(),
-                    counts[self.rank]
-                ),
-            });
-        }
+        check_gather(OP, counts, self.world, self.rank, local.len())?;
         let got = self.exchange(OP, vec![local.to_vec(); self.world])?;
         for (s, (part, &want)) in got.iter().zip(counts).enumerate() {
             if part.len() != want {
@@ -263,12 +252,7 @@ impl ProcessGroup for ThreadGroup {
 
     fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<(), DistError> {
         const OP: &str = "broadcast";
-        if root >= self.world {
-            return Err(DistError::Invalid {
-                op: OP,
-                message: format!("root {root} outside world size {}", self.world),
-            });
-        }
+        check_root(OP, root, self.world)?;
         let parts = if self.rank == root { vec![data.to_vec(); self.world] } else { vec![Vec::new(); self.world] };
         let got = self.exchange(OP, parts)?;
         if got[root].len() != data.len() {
