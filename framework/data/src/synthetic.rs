@@ -3,7 +3,9 @@
 //!
 //! The truth (dense weights, per-id latent values) is fixed by the run seed; every batch is
 //! generated from its own RNG seeded by (seed, split, epoch, batch index), so batches are
-//! reproducible and independent of how many were generated before.
+//! reproducible and independent of how many were generated before. With `world_size > 1`
+//! rank `r` takes batch indices `r, r + world_size, r + 2 world_size, ..` of that stream: the
+//! ranks together see each batch of the one-rank stream once.
 //!
 //! Bag lengths follow `pooling_factor` (the same for every feature), or per feature TorchRec's
 //! `RandomRecDataset` parameters: `ids_per_features` alone fixes each feature's length,
@@ -217,6 +219,9 @@ pub struct SyntheticSampler {
     dense_weights: Vec<f64>,
     dense_means: Vec<f64>,
     seed: u64,
+    /// This rank and the number of ranks (batch `index` goes to rank `index % world`).
+    rank: u64,
+    world: u64,
     zipf: Vec<Option<Zipf<f64>>>,
 }
 
@@ -279,6 +284,8 @@ impl SyntheticSampler {
             dense_weights,
             dense_means,
             seed: ctx.seed,
+            rank: ctx.rank as u64,
+            world: ctx.world_size.max(1) as u64,
             zipf,
         })
     }
@@ -418,10 +425,10 @@ impl Sampler for SyntheticSampler {
             return Err(DataError::Config { key: "".into(), message: "batch size must be positive".into() });
         }
         let me = self.clone();
-        let mut index = 0;
+        let mut index = self.rank;
         Ok(Box::new(std::iter::from_fn(move || {
             let b = me.batch(split, epoch, index, batch_size);
-            index += 1;
+            index += me.world;
             b
         })))
     }
@@ -577,6 +584,27 @@ mod tests {
         assert_ne!(first(&a, Split::Train, 0), first(&a, Split::Train, 1));
         assert_eq!(first(&a, Split::Eval, 0), first(&a, Split::Eval, 5));
         assert_ne!(first(&a, Split::Eval, 0), first(&a, Split::Train, 0));
+    }
+
+    #[test]
+    fn ranks_share_the_one_rank_stream_batch_by_batch() {
+        let config = SyntheticConfig { train_samples: 1000, eval_samples: 300, ..serde_json_default() };
+        let feature_rows: std::collections::BTreeMap<String, u64> =
+            config.sparse_features.iter().map(|f| (f.clone(), 50)).collect();
+        let build = |rank, world_size| {
+            let ctx =
+                SamplerContext { feature_rows: feature_rows.clone(), seed: 9, rank, world_size, ..Default::default() };
+            SyntheticSampler::build(config.clone(), &ctx).unwrap()
+        };
+        for split in [Split::Train, Split::Eval] {
+            let all: Vec<Batch> = build(0, 1).batches(split, 2, 64).unwrap().map(|b| b.unwrap()).collect();
+            let ranks: Vec<Vec<Batch>> =
+                (0..3).map(|r| build(r, 3).batches(split, 2, 64).unwrap().map(|b| b.unwrap()).collect()).collect();
+            assert_eq!(ranks.iter().map(Vec::len).sum::<usize>(), all.len());
+            for (i, b) in all.iter().enumerate() {
+                assert_eq!(&ranks[i % 3][i / 3], b, "{split:?} batch {i}");
+            }
+        }
     }
 
     /// A sampler over features `a`, `b`, `c` (100 rows each) with the given length keys.

@@ -23,6 +23,10 @@
 //!    collection would on the global batch. Data-parallel tables all-gather ids and gradients
 //!    and apply the same global update on every replica.
 //!
+//! Every shard starts from the weights its cells have in the unsharded collection built with
+//! the same seed ([`trainrec_embedding::initial_weights`]), so a job's start does not depend on
+//! how its tables are sharded.
+//!
 //! Optimizer state is per shard: under column-wise sharding a row-wise optimizer (row-wise
 //! Adagrad) keeps one state per row per column block, as FBGEMM does with one table per shard;
 //! element-wise optimizers are unaffected.
@@ -30,9 +34,9 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig};
+use trainrec_embedding::{
+    EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, initial_weights,
+};
 use trainrec_planner::{ShardingType, TablePlan};
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -190,6 +194,13 @@ pub struct DistContext {
     dp_kjt: Option<KeyedJaggedTensor>,
 }
 
+impl DistContext {
+    /// Examples per rank in this step, rank order (the global batch is their sum).
+    pub fn batch_sizes(&self) -> &[usize] {
+        &self.batch_sizes
+    }
+}
+
 /// An embedding bag collection sharded over a process group (see the module docs).
 pub struct ShardedEbc {
     pg: Arc<dyn ProcessGroup>,
@@ -215,9 +226,9 @@ fn module<E: std::fmt::Display>(e: E) -> DistError {
 }
 
 impl ShardedEbc {
-    /// Builds this rank's part of the collection: its shards of every table (initialised
-    /// uniform in `±sqrt(1/rows)` of the whole table, deterministically from `seed`, the table
-    /// and the shard) and the replicas of data-parallel tables. Every rank must pass the same
+    /// Builds this rank's part of the collection: its shards of every table and the replicas
+    /// of data-parallel tables, with the initial weights of the unsharded collection built
+    /// with `seed`. Every rank must pass the same
     /// tables and shardings.
     pub fn new(
         tables: Vec<EmbeddingBagConfig>,
@@ -288,7 +299,7 @@ impl ShardedEbc {
                 c.pooling = PoolingMode::Sum;
                 c.features = features;
                 local_tables.push(c);
-                init.push((name.clone(), ti, si, (shard.rows.end - shard.rows.start) as usize * shard.cols.len()));
+                init.push((name.clone(), ti, si));
                 local_names[ti][si] = Some(name);
             }
         }
@@ -296,11 +307,9 @@ impl ShardedEbc {
             None
         } else {
             let mut ebc = EmbeddingBagCollection::new(local_tables, optimizer.clone(), seed).map_err(module)?;
-            for (name, ti, si, n) in init {
-                let scale = (1.0 / tables[ti].rows as f64).sqrt() as f32;
-                let mut rng =
-                    StdRng::seed_from_u64(seed ^ ((ti as u64 + 1) << 32) ^ (si as u64 + 1).wrapping_mul(0x9E37_79B9));
-                let w: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..=scale)).collect();
+            for (name, ti, si) in init {
+                let (t, sh) = (&tables[ti], &shardings[ti].shards[si]);
+                let w = initial_weights(seed, ti, t.rows, t.dim, sh.rows.clone(), sh.cols.clone());
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
             Some(ebc)
@@ -332,7 +341,14 @@ impl ShardedEbc {
         let dp = if dp_tables.is_empty() {
             None
         } else {
-            Some(EmbeddingBagCollection::new(dp_tables, optimizer, seed).map_err(module)?)
+            let mut ebc = EmbeddingBagCollection::new(dp_tables, optimizer, seed).map_err(module)?;
+            for (ti, t) in tables.iter().enumerate() {
+                if shardings[ti].sharding_type == ShardingType::DataParallel {
+                    ebc.set_table_weights(&t.name, initial_weights(seed, ti, t.rows, t.dim, 0..t.rows, 0..t.dim))
+                        .map_err(module)?;
+                }
+            }
+            Some(ebc)
         };
         Ok(Self {
             pg,

@@ -140,8 +140,7 @@ impl Core {
                 WeightPrecision::Bf16 => Group::Bf16(Tbe::new(&specs, opt, sr, gseed)?),
             };
             for (local, &t) in members[g].iter().enumerate() {
-                let bound = (1.0 / tables[t].config.rows as f64).sqrt() as f32;
-                let key = seed ^ 0xE3B0_C442_98FC_1C14u64.wrapping_mul(t as u64 + 1);
+                let (bound, key) = init_params(seed, t, tables[t].config.rows);
                 dispatch!(&mut group, tbe => tbe.init_uniform(local, bound, key));
             }
             groups.push(group);
@@ -345,4 +344,27 @@ impl Core {
         }
         Ok(())
     }
+}
+
+/// The bound (TorchRec's `sqrt(1 / rows)`) and generator key of table number `t`'s initial
+/// weights in a collection built with `seed`.
+fn init_params(seed: u64, t: usize, rows: u64) -> (f32, u64) {
+    ((1.0 / rows as f64).sqrt() as f32, seed ^ 0xE3B0_C442_98FC_1C14u64.wrapping_mul(t as u64 + 1))
+}
+
+/// The initial fp32 weights that [`crate::EmbeddingBagCollection::new`] (and the sequence
+/// collection) give the cells `rows x cols` of table number `table` (its position in the
+/// collection's table list), a `table_rows x dim` table, for `seed`: row-major
+/// `[rows, cols]`. A shard of the table computes its block alone, so a table sharded any way
+/// starts from the same weights as the unsharded table.
+pub fn initial_weights(
+    seed: u64,
+    table: usize,
+    table_rows: u64,
+    dim: usize,
+    rows: std::ops::Range<u64>,
+    cols: std::ops::Range<usize>,
+) -> Vec<f32> {
+    let (bound, key) = init_params(seed, table, table_rows);
+    crate::tbe::init_uniform_block(key, bound, dim, rows, cols)
 }

@@ -21,6 +21,7 @@ mod tbe;
 #[cfg(test)]
 mod tests;
 
+pub use collection::initial_weights;
 pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode, WeightPrecision, defaults,
 };

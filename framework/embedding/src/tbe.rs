@@ -139,15 +139,12 @@ impl<T: Weight + Pod> Tbe<T> {
     /// Fills table `t` uniform in `±bound`, deterministically from `key` (in parallel over
     /// blocks of rows, each with its own seeded generator).
     pub(crate) fn init_uniform(&mut self, t: usize, bound: f32, key: u64) {
-        const BLOCK_ROWS: usize = 1 << 14;
         let Slot { rows, dim, w_off, .. } = self.slots[t];
         let w = &mut self.weights.as_mut_slice()[w_off..w_off + rows as usize * dim];
-        w.par_chunks_mut(BLOCK_ROWS * dim).enumerate().for_each(|(block, chunk)| {
-            let mut rng = RowRng::new(key ^ (block as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        w.par_chunks_mut(INIT_BLOCK_ROWS * dim).enumerate().for_each(|(block, chunk)| {
+            let mut rng = init_rng(key, block);
             for x in chunk.iter_mut() {
-                // 24 random bits: uniform on a grid of 2^24 points in [-bound, bound].
-                let u = (rng.next_u64() >> 40) as f32 * (1.0 / (1u32 << 24) as f32);
-                *x = T::from_f32(bound * (2.0 * u - 1.0));
+                *x = T::from_f32(init_value(&mut rng, bound));
             }
         });
     }
@@ -488,4 +485,50 @@ pub(crate) fn radix_sort_by_row(v: &mut Vec<Occ>, tmp: &mut Vec<Occ>, rows: u64)
         }
         std::mem::swap(v, tmp);
     }
+}
+
+/// Rows per independently seeded block of a table's initial weights.
+const INIT_BLOCK_ROWS: usize = 1 << 14;
+
+fn init_rng(key: u64, block: usize) -> RowRng {
+    RowRng::new(key ^ (block as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// 24 random bits: uniform on a grid of 2^24 points in `[-bound, bound]`.
+#[inline]
+fn init_value(rng: &mut RowRng, bound: f32) -> f32 {
+    let u = (rng.next_u64() >> 40) as f32 * (1.0 / (1u32 << 24) as f32);
+    bound * (2.0 * u - 1.0)
+}
+
+/// The initial fp32 values of the cells `rows x cols` of a table filled by
+/// [`Tbe::init_uniform`] with `bound` and `key`, computed without the rest of the table
+/// (only the seeded blocks the rows fall in are drawn): row-major `[rows, cols]`.
+pub(crate) fn init_uniform_block(
+    key: u64,
+    bound: f32,
+    dim: usize,
+    rows: std::ops::Range<u64>,
+    cols: std::ops::Range<usize>,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity((rows.end - rows.start) as usize * cols.len());
+    let mut r = rows.start as usize;
+    while r < rows.end as usize {
+        let block = r / INIT_BLOCK_ROWS;
+        let mut rng = init_rng(key, block);
+        for _ in 0..(r - block * INIT_BLOCK_ROWS) * dim {
+            rng.next_u64();
+        }
+        let end = ((block + 1) * INIT_BLOCK_ROWS).min(rows.end as usize);
+        for _ in r..end {
+            for c in 0..dim {
+                let v = init_value(&mut rng, bound);
+                if cols.contains(&c) {
+                    out.push(v);
+                }
+            }
+        }
+        r = end;
+    }
+    out
 }

@@ -198,6 +198,26 @@ fn invalid_configs_are_errors() {
 }
 
 #[test]
+fn any_block_of_a_table_has_its_initial_weights_alone() {
+    // Two tables in one group; the second crosses a seeded block boundary (16384 rows).
+    let configs = vec![table("a", 30, 4, PoolingMode::Sum, &["x"]), table("b", 40_000, 3, PoolingMode::Sum, &["y"])];
+    let ebc = EmbeddingBagCollection::new(configs, SGD, 9).unwrap();
+    let full = ebc.table_weights("b").unwrap();
+    for (rows, cols) in
+        [(0..40_000u64, 0..3usize), (16_000..17_000, 0..3), (16_384..16_390, 1..3), (39_999..40_000, 2..3)]
+    {
+        let got = crate::initial_weights(9, 1, 40_000, 3, rows.clone(), cols.clone());
+        let want: Vec<f32> = rows
+            .clone()
+            .flat_map(|r| cols.clone().map(move |c| (r as usize, c)))
+            .map(|(r, c)| full[r * 3 + c])
+            .collect();
+        assert_eq!(got, want, "rows {rows:?} cols {cols:?}");
+    }
+    assert_eq!(crate::initial_weights(9, 0, 30, 4, 0..30, 0..4), ebc.table_weights("a").unwrap());
+}
+
+#[test]
 fn init_is_uniform_in_torchrec_bounds_and_seeded() {
     let configs = || vec![table("a", 400, 16, PoolingMode::Sum, &["x"]), table("b", 25, 8, PoolingMode::Sum, &["y"])];
     let e1 = EmbeddingBagCollection::new(configs(), SGD, 42).unwrap();

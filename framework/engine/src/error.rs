@@ -20,6 +20,9 @@ pub enum EngineError {
     /// A metric rejected its input.
     #[error("metrics: {0}")]
     Metric(#[from] trainrec_metrics::MetricError),
+    /// A collective across ranks failed (a peer left, timed out or diverged).
+    #[error("distributed: {0}")]
+    Dist(#[from] trainrec_dist::DistError),
     /// libtorch reported an error.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),

@@ -20,7 +20,12 @@ use trainrec_metrics::{
 use trainrec_models::{DenseModel, DenseOptimizer, LossInput, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
+use std::sync::Arc;
+
+use trainrec_dist::{DistContext, ProcessGroup};
+
 use crate::check::sparse_outputs;
+use crate::dist::{DenseSync, SparseArch};
 use crate::error::EngineError;
 use crate::registry::Registry;
 
@@ -46,8 +51,10 @@ pub struct Job {
     recipe: Recipe,
     resolved_toml: String,
     sampler: Box<dyn Sampler>,
-    ebc: EmbeddingBagCollection,
-    _vs: nn::VarStore,
+    sparse: SparseArch,
+    vs: nn::VarStore,
+    /// Across ranks: the group and the data-parallel dense parameters.
+    sync: Option<DenseSync>,
     model: Box<dyn DenseModel>,
     dense_opt: DenseOptimizer,
     num_dense: usize,
@@ -144,7 +151,14 @@ impl RecallAtK {
 /// The recipe's embedding tables as one collection with their fused optimizers and bounds
 /// check (shared by [`Job::build`] and the W2 benchmark).
 pub(crate) fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_embedding::EmbeddingError> {
-    let tables = recipe
+    let mut ebc = EmbeddingBagCollection::new(recipe_tables(recipe), recipe.optimizer.sparse.clone(), recipe.run.seed)?;
+    ebc.set_bounds_check(recipe.embedding.bounds_check);
+    Ok(ebc)
+}
+
+/// The recipe's `[[tables]]` as embedding table configurations.
+pub(crate) fn recipe_tables(recipe: &Recipe) -> Vec<EmbeddingBagConfig> {
+    recipe
         .tables
         .iter()
         .map(|t| {
@@ -155,10 +169,7 @@ pub(crate) fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trai
             c.optimizer = t.optimizer.clone();
             c
         })
-        .collect();
-    let mut ebc = EmbeddingBagCollection::new(tables, recipe.optimizer.sparse.clone(), recipe.run.seed)?;
-    ebc.set_bounds_check(recipe.embedding.bounds_check);
-    Ok(ebc)
+        .collect()
 }
 
 /// Sets libtorch's and the embedding kernels' thread counts.
@@ -174,28 +185,51 @@ pub fn configure_threads(threads: Option<usize>) -> usize {
 }
 
 impl Job {
-    /// Builds every part of the job. The recipe must have passed [`crate::check_loaded`].
+    /// Builds every part of a one-rank job. The recipe must have passed
+    /// [`crate::check_loaded`]; a recipe with `topology.world_size > 1` is built per rank by
+    /// [`Job::build_rank`] (or trained by [`crate::dist::run_threads`]).
     pub fn build(loaded: &LoadedRecipe, features: &FeatureSchema, registry: &Registry) -> Result<Self, EngineError> {
+        Self::build_rank(loaded, features, registry, None)
+    }
+
+    /// Builds this rank's part of the job: with a process group, the tables sharded by the
+    /// plan over its ranks, the sampler reading this rank's share, and the dense model
+    /// data-parallel (rank 0's initial parameters); without, one rank.
+    pub fn build_rank(
+        loaded: &LoadedRecipe,
+        features: &FeatureSchema,
+        registry: &Registry,
+        pg: Option<Arc<dyn ProcessGroup>>,
+    ) -> Result<Self, EngineError> {
         let recipe = loaded.recipe.clone();
         let resolved_toml = loaded
             .resolved_toml()
             .map_err(|e| EngineError::Internal(format!("cannot serialize the resolved recipe: {e}")))?;
-        configure_threads(recipe.run.threads);
+        if pg.is_none() {
+            configure_threads(recipe.run.threads);
+        }
         let topo = &recipe.topology;
-        if topo.world_size > 1 || topo.compute_device != trainrec_planner::ComputeDevice::Cpu {
-            let key = if topo.world_size > 1 { "world_size" } else { "compute_device" };
-            let d = trainrec_recipe::Diagnostic::new(
-                trainrec_recipe::KeyPath::root().key("topology").key(key),
-                format!(
-                    "`trainrec run` trains on one CPU rank; this recipe asks for {} {} rank(s)",
-                    topo.world_size,
-                    topo.compute_device.name()
-                ),
-            )
-            .with_help("`trainrec plan` plans for it; training across ranks and on GPUs is not built yet");
+        let ranks = pg.as_ref().map_or(1, |g| g.world_size());
+        if topo.compute_device != trainrec_planner::ComputeDevice::Cpu || topo.world_size != ranks {
+            let (key, message, help) = if topo.compute_device != trainrec_planner::ComputeDevice::Cpu {
+                (
+                    "compute_device",
+                    format!("trainrec trains on CPU ranks; this recipe asks for {}", topo.compute_device.name()),
+                    "`trainrec plan` plans for it; training on GPUs is not built yet",
+                )
+            } else {
+                (
+                    "world_size",
+                    format!("the recipe asks for {} ranks but this job has {ranks}", topo.world_size),
+                    "`trainrec run` starts one rank per `topology.world_size`",
+                )
+            };
+            let d =
+                trainrec_recipe::Diagnostic::new(trainrec_recipe::KeyPath::root().key("topology").key(key), message)
+                    .with_help(help);
             return Err(EngineError::Recipe(loaded.locate(vec![d])));
         }
-        tch::manual_seed(recipe.run.seed as i64);
+        let (rank, world_size) = pg.as_ref().map_or((0, 1), |g| (g.rank(), g.world_size()));
 
         let mut feature_rows = BTreeMap::new();
         for table in &recipe.tables {
@@ -206,16 +240,9 @@ impl Job {
         let kind = recipe.data.sampler.kind().unwrap_or_default();
         let factory =
             registry.sampler_for(kind).ok_or_else(|| EngineError::Internal(format!("sampler {kind} vanished")))?;
-        let ctx = SamplerContext {
-            feature_rows,
-            base_dir: loaded.base_dir.clone(),
-            seed: recipe.run.seed,
-            rank: 0,
-            world_size: 1,
-        };
+        let ctx =
+            SamplerContext { feature_rows, base_dir: loaded.base_dir.clone(), seed: recipe.run.seed, rank, world_size };
         let sampler = factory.build(&recipe.data.sampler.config(), &ctx)?;
-
-        let ebc = recipe_ebc(&recipe)?;
 
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
@@ -236,7 +263,14 @@ impl Job {
         let kind = recipe.model.kind().unwrap_or_default();
         let model_factory =
             registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
-        let model = model_factory.build(&vs.root(), &recipe.model.config(), &inputs)?;
+        let model = {
+            // libtorch's generator is process-wide: ranks running as threads of one process
+            // build one at a time, each from the seed (rank 0's copy is broadcast anyway).
+            static MODEL_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+            let _one = MODEL_INIT.lock().unwrap_or_else(|p| p.into_inner());
+            tch::manual_seed(recipe.run.seed as i64);
+            model_factory.build(&vs.root(), &recipe.model.config(), &inputs)?
+        };
         // The planner's dense reservation counts this model's parameters (the same number
         // validation got from a scratch copy, so a pinned plan's hash still matches).
         let plan_input = trainrec_recipe::plan::plan_input(&recipe, crate::plan::dense_bytes_of(&vs));
@@ -244,10 +278,18 @@ impl Job {
             .map_err(|e| EngineError::Recipe(loaded.locate(vec![trainrec_recipe::plan::plan_diagnostic(&e)])))?;
         tracing::info!(
             tables = plan.tables.len(),
+            world_size,
             max_rank_perf_ms = plan.max_rank_perf,
             inputs_hash = %plan.inputs_hash,
-            "sharding plan: every table on rank 0"
+            "sharding plan"
         );
+        let (sparse, sync) = match pg {
+            Some(pg) => {
+                let sharded = crate::dist::sharded_ebc(&recipe, &plan, pg.clone())?;
+                (SparseArch::Sharded(Box::new(sharded)), Some(DenseSync::new(pg, &vs)?))
+            }
+            None => (SparseArch::Local(recipe_ebc(&recipe)?), None),
+        };
         let retrieval =
             retrieval_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
@@ -255,8 +297,9 @@ impl Job {
             recipe,
             resolved_toml,
             sampler,
-            ebc,
-            _vs: vs,
+            sparse,
+            vs,
+            sync,
             model,
             dense_opt,
             num_dense: features.num_dense,
@@ -268,7 +311,9 @@ impl Job {
         })
     }
 
-    fn tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor, Tensor), EngineError> {
+    /// The batch's dense features, pooled embeddings and labels as tensors, and the sharded
+    /// forward's context (collective across ranks).
+    fn tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor, Tensor, Option<DistContext>), EngineError> {
         let b = batch.batch_size as i64;
         if batch.dense.len() != batch.batch_size * self.num_dense
             || batch.labels.len() != batch.batch_size * self.num_labels
@@ -288,7 +333,7 @@ impl Job {
             }));
         }
         let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?;
-        let sparse = crate::tensors::pooled_tensor(&self.ebc, &batch.sparse)?;
+        let (sparse, ctx) = self.sparse.forward(&batch.sparse)?;
         // [batch, tasks]: each task's label column (all columns, in order, need no selection).
         let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?;
         let identity = self.tasks.len() == self.num_labels && self.tasks.iter().enumerate().all(|(t, &(_, c))| t == c);
@@ -298,7 +343,7 @@ impl Job {
             let columns: Vec<i64> = self.tasks.iter().map(|&(_, c)| c as i64).collect();
             labels.f_index_select(1, &Tensor::from_slice(&columns))?
         };
-        Ok((dense, sparse, labels))
+        Ok((dense, sparse, labels, ctx))
     }
 
     /// One training step; returns the batch's loss: the sum over tasks of the mean binary
@@ -308,13 +353,14 @@ impl Job {
     }
 
     /// [`Job::train_step`]; with `want_predictions`, also the batch's predicted probabilities
-    /// `[batch, tasks]` row-major (before this step's update).
+    /// `[batch, tasks]` row-major (before this step's update); and the examples of the step's
+    /// global batch (every rank's).
     fn train_step_with(
         &mut self,
         batch: &Batch,
         want_predictions: bool,
-    ) -> Result<(f64, Option<Vec<f32>>), EngineError> {
-        let (dense, sparse, labels) = self.tensors(batch)?;
+    ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
+        let (dense, sparse, labels, ctx) = self.tensors(batch)?;
         let sparse = sparse.set_requires_grad(true);
         let input = LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &batch.sparse };
         let (loss, logits) = match self.model.loss(&input) {
@@ -332,10 +378,25 @@ impl Job {
             }
         };
         self.dense_opt.zero_grad();
-        loss.backward();
+        let examples = ctx.as_ref().map_or(batch.batch_size, |c| c.batch_sizes().iter().sum());
+        let loss_value = match (&self.sync, &ctx) {
+            (Some(sync), Some(ctx)) => {
+                // This rank's share of the global batch's loss: after the sum across ranks the
+                // gradients are the global batch's (see the `dist` module).
+                let global: usize = ctx.batch_sizes().iter().sum();
+                let share = batch.batch_size as f64 / global.max(1) as f64;
+                let scaled = &loss * share;
+                scaled.backward();
+                sync.all_reduce(scaled.double_value(&[]))?
+            }
+            _ => {
+                loss.backward();
+                loss.double_value(&[])
+            }
+        };
         self.dense_opt.step();
         // The EBC reads the gradient tensor's memory in place.
-        crate::tensors::with_f32_slice(&sparse.grad(), |grad| self.ebc.backward_and_update(&batch.sparse, grad))?;
+        self.sparse.backward(&batch.sparse, ctx, &sparse.grad())?;
         let predictions = match logits {
             Some(logits) if want_predictions => {
                 let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
@@ -343,7 +404,7 @@ impl Job {
             }
             _ => None,
         };
-        Ok((loss.double_value(&[]), predictions))
+        Ok((loss_value, predictions, examples))
     }
 
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
@@ -357,28 +418,80 @@ impl Job {
             Some(r) => Some(RecallAtK::new(r, self.corpus_embeddings(r)?)),
             None => None,
         };
-        for batch in self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize) {
-            let batch = batch?;
-            let (dense, sparse, labels) = self.tensors(&batch)?;
+        let mut batches = self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize);
+        loop {
+            let next = batches.next().transpose()?;
+            // Across ranks every rank takes part until all are done: one whose split has ended
+            // looks up an empty batch.
+            let batch = match (&self.sync, next) {
+                (None, None) => break,
+                (None, Some(b)) => b,
+                (Some(sync), next) => {
+                    if !sync.any_has(next.is_some())? {
+                        break;
+                    }
+                    match next {
+                        Some(b) => b,
+                        None => self.empty_batch()?,
+                    }
+                }
+            };
+            let (dense, sparse, labels, _) = self.tensors(&batch)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
-            self.feed(&mut suites, &probs, &batch)?;
+            seen += self.feed_all_ranks(&mut suites, &probs, &batch)? as u64;
             if let Some(recall) = &mut recall {
                 let retrieval =
                     self.model.retrieval().ok_or_else(|| EngineError::Internal("retrieval vanished".into()))?;
                 recall.update(retrieval, &dense, &sparse, &labels, &batch)?;
             }
-            seen += batch.batch_size as u64;
         }
         if seen == 0 {
             return Err(EngineError::EmptySplit("eval"));
         }
         let mut values = self.values(&suites);
-        if let Some(recall) = recall {
+        if let Some(mut recall) = recall {
+            if let Some(sync) = &self.sync {
+                let mut counts = recall.hits.clone();
+                counts.push(recall.pairs);
+                crate::dist::sum_counts(sync.pg.as_ref(), &mut counts)?;
+                recall.pairs = counts.pop().unwrap_or(0);
+                recall.hits = counts;
+            }
             values.extend(recall.compute());
         }
         Ok(values)
+    }
+
+    /// A batch of no examples, for a rank whose eval split has ended while others go on.
+    fn empty_batch(&self) -> Result<Batch, EngineError> {
+        let keys = self.sampler.schema().sparse.clone();
+        let sparse = trainrec_sparse::KeyedJaggedTensor::empty(keys, 0).map_err(|e| EngineError::Data(e.into()))?;
+        Ok(Batch {
+            dense: Vec::new(),
+            num_dense: self.num_dense,
+            sparse,
+            labels: Vec::new(),
+            batch_size: 0,
+            groups: None,
+        })
+    }
+
+    /// The weights of table `name`, `[rows, dim]` row-major (across ranks: assembled from
+    /// every rank's shards; every rank must call it).
+    pub fn table_weights(&self, name: &str) -> Result<Option<Vec<f32>>, EngineError> {
+        self.sparse.table_weights(name)
+    }
+
+    /// The dense model's trainable parameters by name, flattened.
+    pub fn dense_parameters(&self) -> BTreeMap<String, Vec<f32>> {
+        self.vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .map(|(name, t)| (name, crate::tensors::with_f32_slice(&t, |s| s.to_vec())))
+            .collect()
     }
 
     /// Every candidate of the corpus embedded by the candidate tower: `[rows, d]`, row `r` the
@@ -399,8 +512,7 @@ impl Job {
             let values: Vec<i64> = (start as i64..(start as usize + n) as i64).collect();
             let kjt = trainrec_sparse::KeyedJaggedTensor::new(keys.clone(), values, None, lengths, n)
                 .map_err(|e| EngineError::Data(e.into()))?;
-            let pooled = self.ebc.forward(&kjt)?;
-            let sparse = Tensor::from_slice(pooled.values()).f_view([n as i64, pooled.width() as i64])?;
+            let (sparse, _) = self.sparse.forward(&kjt)?;
             parts.push(tch::no_grad(|| retrieval.candidate_embeddings(&sparse)));
             start += n as u64;
         }
@@ -454,22 +566,47 @@ impl Job {
         Ok(MetricSuite::new(metrics)?)
     }
 
+    /// [`Self::feed`] across ranks: every rank's predictions, labels and groups of this step
+    /// (gathered), so every rank's suites hold the global metrics. Returns the examples fed.
+    fn feed_all_ranks(&self, suites: &mut [MetricSuite], probs: &[f32], batch: &Batch) -> Result<usize, EngineError> {
+        let Some(sync) = &self.sync else {
+            self.feed(suites, probs, batch)?;
+            return Ok(batch.batch_size);
+        };
+        let probs = sync.gather_f32(probs)?;
+        let labels = sync.gather_f32(&batch.labels)?;
+        // Every rank gathers (a rank past its split's end has no groups).
+        let groups = sync.gather_i64(batch.groups.as_deref().unwrap_or_default())?;
+        let n = labels.len() / self.num_labels.max(1);
+        let groups = (n > 0 && groups.len() == n).then_some(groups);
+        self.feed_parts(suites, &probs, &labels, groups.as_deref(), n)?;
+        Ok(n)
+    }
+
     /// Feeds one batch's predictions `[batch, tasks]` to each task's suite.
-    fn feed<'a>(&self, suites: &mut [MetricSuite], probs: &'a [f32], batch: &'a Batch) -> Result<(), EngineError> {
-        let (t_count, n) = (self.tasks.len(), batch.batch_size);
+    fn feed(&self, suites: &mut [MetricSuite], probs: &[f32], batch: &Batch) -> Result<(), EngineError> {
+        self.feed_parts(suites, probs, &batch.labels, batch.groups.as_deref(), batch.batch_size)
+    }
+
+    /// [`Self::feed`] from the parts: `n` examples' predictions `[n, tasks]`, label columns
+    /// `[n, num_labels]` and grouping keys.
+    fn feed_parts<'a>(
+        &self,
+        suites: &mut [MetricSuite],
+        probs: &'a [f32],
+        all_labels: &'a [f32],
+        groups: Option<&'a [i64]>,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        let t_count = self.tasks.len();
         // A column of a row-major `[n, width]` matrix; a single column is the data itself.
         let column = |data: &'a [f32], width: usize, c: usize| -> Cow<'a, [f32]> {
             if width == 1 { Cow::Borrowed(data) } else { Cow::Owned((0..n).map(|i| data[i * width + c]).collect()) }
         };
         for (t, (suite, &(_, col))) in suites.iter_mut().zip(&self.tasks).enumerate() {
             let predictions = column(probs, t_count, t);
-            let labels = column(&batch.labels, self.num_labels, col);
-            let input = TaskBatch {
-                predictions: &predictions,
-                labels: &labels,
-                weights: None,
-                groups: batch.groups.as_deref(),
-            };
+            let labels = column(all_labels, self.num_labels, col);
+            let input = TaskBatch { predictions: &predictions, labels: &labels, weights: None, groups };
             suite.update_batch(&input)?;
         }
         Ok(())
@@ -490,19 +627,26 @@ impl Job {
 
     /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run
     /// directory (`resolved.toml`, `metrics.jsonl`).
+    ///
+    /// Across ranks every rank calls it: rank 0 writes the run directory and shows progress;
+    /// the losses and metrics it reports are the global batch's.
     pub fn run(&mut self) -> Result<RunSummary, EngineError> {
         let out_dir = self.recipe.output_dir();
-        std::fs::create_dir_all(&out_dir).map_err(|e| EngineError::Io { path: out_dir.clone(), source: e })?;
-        write_atomic(&out_dir.join("resolved.toml"), self.resolved_toml.as_bytes())?;
-        let plan_path = out_dir.join("plan.json");
-        trainrec_planner::save_plan(&self.plan, &plan_path)
-            .map_err(|e| EngineError::Io { path: plan_path, source: e })?;
-        let metrics_path = out_dir.join("metrics.jsonl");
-        let mut log = MetricsLog::create(&metrics_path)?;
+        let lead = self.sync.as_ref().is_none_or(|s| s.pg.rank() == 0);
+        let mut log = if lead {
+            std::fs::create_dir_all(&out_dir).map_err(|e| EngineError::Io { path: out_dir.clone(), source: e })?;
+            write_atomic(&out_dir.join("resolved.toml"), self.resolved_toml.as_bytes())?;
+            let plan_path = out_dir.join("plan.json");
+            trainrec_planner::save_plan(&self.plan, &plan_path)
+                .map_err(|e| EngineError::Io { path: plan_path, source: e })?;
+            Some(MetricsLog::create(&out_dir.join("metrics.jsonl"))?)
+        } else {
+            None
+        };
 
         let train = self.recipe.train.clone();
         let bs = self.recipe.data.batch_size;
-        let bar = progress_bar(train.steps, train.progress);
+        let bar = if lead { progress_bar(train.steps, train.progress) } else { ProgressBar::hidden() };
         let start = Instant::now();
         let (mut step, mut samples) = (0u64, 0u64);
         let mut window = (0.0f64, 0u64);
@@ -526,16 +670,24 @@ impl Job {
         'outer: for epoch in 0..epochs {
             let mut in_epoch = 0u64;
             let _span = tracing::info_span!("epoch", epoch).entered();
-            for batch in self.sampler.batches(Split::Train, epoch, bs)? {
-                let batch = batch?;
-                let (loss, predictions) = self.train_step_with(&batch, train_suites.is_some())?;
+            let mut batches = self.sampler.batches(Split::Train, epoch, bs)?;
+            loop {
+                let next = batches.next().transpose()?;
+                // Across ranks the epoch ends for all when one rank's data ends (no rank waits
+                // in a collective the others never join).
+                let go = match &self.sync {
+                    Some(sync) => sync.all_have(next.is_some())?,
+                    None => next.is_some(),
+                };
+                let Some(batch) = next.filter(|_| go) else { break };
+                let (loss, predictions, examples) = self.train_step_with(&batch, train_suites.is_some())?;
                 if let (Some(suites), Some(p)) = (&mut train_suites, &predictions) {
-                    self.feed(suites, p, &batch)?;
+                    self.feed_all_ranks(suites, p, &batch)?;
                 }
                 step += 1;
                 in_epoch += 1;
-                samples += batch.batch_size as u64;
-                throughput.update(batch.batch_size as u64);
+                samples += examples as u64;
+                throughput.update(examples as u64);
                 window.0 += loss;
                 window.1 += 1;
                 bar.inc(1);
@@ -548,7 +700,7 @@ impl Job {
                     window = (0.0, 0);
                     let rate = samples as f64 / start.elapsed().as_secs_f64();
                     bar.set_message(format!("loss {mean:.4} · {} samples/s", human(rate)));
-                    if bar.is_hidden() {
+                    if bar.is_hidden() && lead {
                         tracing::info!(step, loss = mean, samples_per_s = rate as u64, "train");
                     }
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
@@ -561,12 +713,12 @@ impl Job {
                     train_values.extend(self.values(suites));
                 }
                 if !train_values.is_empty() {
-                    log.write(step, "train", &std::mem::take(&mut train_values))?;
+                    log_write(&mut log, step, "train", &std::mem::take(&mut train_values))?;
                 }
                 if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) {
                     let m = self.evaluate()?;
                     tracing::info!(step, metrics = ?m, "eval");
-                    log.write(step, "eval", &m)?;
+                    log_write(&mut log, step, "eval", &m)?;
                     last_eval = Some(m);
                 }
                 if train.steps == Some(step) {
@@ -581,18 +733,20 @@ impl Job {
             let mean = window.0 / window.1 as f64;
             first_loss.get_or_insert(mean);
             last_loss = mean;
-            log.write(step, "train", &BTreeMap::from([("loss".to_string(), mean)]))?;
+            log_write(&mut log, step, "train", &BTreeMap::from([("loss".to_string(), mean)]))?;
         }
         let final_eval = match last_eval {
             Some(m) if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) => m,
             _ => {
                 let m = self.evaluate()?;
-                log.write(step, "eval", &m)?;
+                log_write(&mut log, step, "eval", &m)?;
                 m
             }
         };
         bar.finish_and_clear();
-        log.finish()?;
+        if let Some(log) = log {
+            log.finish()?;
+        }
         Ok(RunSummary {
             steps: step,
             samples,
@@ -735,6 +889,19 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), EngineError> {
         let _ = std::fs::remove_file(&tmp);
         EngineError::Io { path: path.to_path_buf(), source: e }
     })
+}
+
+/// Writes a line to the run's metric files (rank 0 only: other ranks have none).
+fn log_write(
+    log: &mut Option<MetricsLog>,
+    step: u64,
+    split: &str,
+    metrics: &BTreeMap<String, f64>,
+) -> Result<(), EngineError> {
+    match log {
+        Some(l) => l.write(step, split, metrics),
+        None => Ok(()),
+    }
 }
 
 /// `metrics.jsonl`: one JSON object per line, each line written whole and flushed, so the file

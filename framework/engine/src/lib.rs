@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod check;
+pub mod dist;
 pub mod error;
 pub mod job;
 pub mod plan;

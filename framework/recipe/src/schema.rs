@@ -48,7 +48,8 @@ pub struct Recipe {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TopologySection {
-    /// Ranks in all. `trainrec run` trains on one rank; `trainrec plan` plans for any number.
+    /// Ranks in all. `trainrec run` trains on this many ranks (one thread each: tables sharded
+    /// by the plan, the dense model data-parallel); `data.batch_size` is per rank.
     #[serde(default = "defaults::world_size")]
     pub world_size: usize,
     /// Ranks per host. Default: `world_size` (one host).

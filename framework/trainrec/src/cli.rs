@@ -51,6 +51,19 @@ pub enum Command {
         #[command(flatten)]
         overrides: Overrides,
     },
+    /// Train a recipe on `--nproc` processes of this host through `mpirun` (the MPI backend):
+    /// `mpirun -n N trainrec run <recipe> --set topology.world_size=N`. Needs a binary built
+    /// with `--features mpi`.
+    Launch {
+        /// Processes (ranks) to start.
+        #[arg(long)]
+        nproc: usize,
+        /// The recipe file.
+        recipe: PathBuf,
+        /// Overrides, passed to every rank.
+        #[command(flatten)]
+        overrides: Overrides,
+    },
     /// Plan the sharding of a recipe's tables: prints the per-rank and per-table stats (with
     /// each table's runner-up) and writes `plan.json`. Plans afresh even when
     /// `planner.plan_file` is set, and then rewrites that file.
@@ -499,6 +512,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Run { recipe, overrides } => run(&registry, &recipe, &overrides.options()),
+        Command::Launch { nproc, recipe, overrides } => launch(nproc, &recipe, &overrides),
         Command::Validate { recipes, overrides } => validate(&registry, &recipes, &overrides.options()),
         Command::Plan { recipe, world_size, out, overrides } => {
             let mut options = overrides.options();
@@ -707,6 +721,67 @@ fn plan(registry: &Registry, path: &std::path::Path, out: Option<PathBuf>, optio
     }
 }
 
+#[cfg(feature = "mpi")]
+fn run_mpi(
+    loaded: &trainrec_recipe::LoadedRecipe,
+    features: &trainrec_data::FeatureSchema,
+    registry: &Registry,
+) -> Result<Option<trainrec_engine::RunSummary>, EngineError> {
+    trainrec_engine::dist::run_mpi(loaded, features, registry)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(
+    _: &trainrec_recipe::LoadedRecipe,
+    _: &trainrec_data::FeatureSchema,
+    _: &Registry,
+) -> Result<Option<trainrec_engine::RunSummary>, EngineError> {
+    Err(EngineError::Internal(
+        "started by mpirun, but this trainrec binary has no MPI support: build it with `cargo build --release -p trainrec --features mpi` (Open MPI: scripts/ensure-mpi.sh), or run without mpirun to train the ranks as threads of one process".into(),
+    ))
+}
+
+/// `trainrec launch --nproc N`: `mpirun -n N <this binary> run <recipe>` with
+/// `topology.world_size=N`.
+fn launch(nproc: usize, recipe: &std::path::Path, overrides: &Overrides) -> ExitCode {
+    if !cfg!(feature = "mpi") {
+        eprintln!(
+            "error: `trainrec launch` starts one process per rank through mpirun, and this binary has no MPI support: build it with `cargo build --release -p trainrec --features mpi` (Open MPI: scripts/ensure-mpi.sh); `trainrec run` trains a multi-rank recipe as threads of one process"
+        );
+        return ExitCode::from(2);
+    }
+    if nproc == 0 {
+        eprintln!("error: --nproc must be at least 1");
+        return ExitCode::from(2);
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("error: cannot find this executable: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut cmd = std::process::Command::new("mpirun");
+    cmd.args(["--oversubscribe", "-n", &nproc.to_string()]).arg(exe).arg("run").arg(recipe);
+    for s in &overrides.set {
+        cmd.arg("--set").arg(s);
+    }
+    if overrides.no_env {
+        cmd.arg("--no-env");
+    }
+    cmd.arg("--set").arg(format!("topology.world_size={nproc}"));
+    // Open MPI refuses root without these; a container's root user is the common case.
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    match cmd.status() {
+        Ok(s) if s.success() => ExitCode::SUCCESS,
+        Ok(s) => ExitCode::from(s.code().map_or(1, |c| c.clamp(1, 255) as u8)),
+        Err(e) => {
+            eprintln!("error: cannot start mpirun ({e}); scripts/ensure-mpi.sh installs Open MPI");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn run(registry: &Registry, path: &std::path::Path, options: &LoadOptions) -> ExitCode {
     let (loaded, features) = match load_and_check(path, options, registry) {
         Ok(x) => x,
@@ -718,9 +793,17 @@ fn run(registry: &Registry, path: &std::path::Path, options: &LoadOptions) -> Ex
     // Training allocates the same large tensors every step: keep their pages mapped.
     let tuned = trainrec_engine::tensors::tune_allocator();
     tracing::debug!(tuned, "allocator tuning");
-    let result = Job::build(&loaded, &features, registry).and_then(|mut job| job.run());
+    let result = match (loaded.recipe.topology.world_size, trainrec_engine::dist::mpirun_world_size()) {
+        // Started by `mpirun`: this process is one rank (the MPI backend).
+        (_, Some(_)) => run_mpi(&loaded, &features, registry),
+        // One rank per thread of this process (the in-process backend).
+        (w, None) if w > 1 => trainrec_engine::dist::run_threads(&loaded, &features, registry).map(Some),
+        _ => Job::build(&loaded, &features, registry).and_then(|mut job| job.run()).map(Some),
+    };
     match result {
-        Ok(summary) => {
+        // Ranks other than 0 of an MPI job report nothing.
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(summary)) => {
             println!("{}", trainrec_engine::job::summary_table(&summary));
             ExitCode::SUCCESS
         }

@@ -186,10 +186,23 @@ fn plan_prints_the_stats_writes_the_plan_and_a_pinned_plan_is_checked() {
 }
 
 #[test]
-fn run_refuses_more_than_one_rank_and_points_at_plan() {
+fn run_refuses_gpu_ranks_and_points_at_plan() {
     let (code, _, stderr) = trainrec(&["run", "recipes/planner/criteo_8gpu.toml"]);
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("key: topology.world_size") && stderr.contains("`trainrec plan` plans for it"), "{stderr}");
+    assert!(
+        stderr.contains("key: topology.compute_device") && stderr.contains("`trainrec plan` plans for it"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn launch_without_mpi_support_says_how_to_get_it() {
+    if cfg!(feature = "mpi") {
+        return; // this binary has MPI: tests/mpi_run.rs launches it
+    }
+    let (code, _, stderr) = trainrec(&["launch", "--nproc", "2", "recipes/dist/quickstart_2ranks.toml"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--features mpi") && stderr.contains("threads of one process"), "{stderr}");
 }
 
 #[test]

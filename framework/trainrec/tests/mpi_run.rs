@@ -1,0 +1,58 @@
+//! `trainrec launch --nproc 2` (mpirun, one process per rank, the MPI backend) trains the
+//! shipped 2-rank recipe to the same metrics as `trainrec run` with the ranks as threads.
+//! Built with `--features mpi`; `scripts/test` runs it.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn last_eval(dir: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let line = text.lines().rev().find(|l| l.contains("\"split\":\"eval\"")).expect("an eval line");
+    serde_json::from_str::<serde_json::Value>(line).unwrap()["metrics"].clone()
+}
+
+#[test]
+fn mpi_processes_train_like_threads() {
+    let tmp = std::env::temp_dir().join(format!("trainrec-mpi-run-{}", std::process::id()));
+    let (threads, mpi) = (tmp.join("threads"), tmp.join("mpi"));
+    let args = |out: &Path| {
+        vec![
+            "recipes/dist/quickstart_2ranks.toml".to_string(),
+            "--set".into(),
+            "train.steps=200".into(),
+            "--set".into(),
+            "train.progress=false".into(),
+            "--set".into(),
+            "run.threads=1".into(),
+            "--set".into(),
+            format!("run.output_dir={}", out.display()),
+            "--no-env".into(),
+        ]
+    };
+    let run = |sub: &[&str], out: &Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+            .args(sub)
+            .args(args(out))
+            .current_dir(workspace())
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{sub:?}: {text}");
+        text
+    };
+    run(&["run"], &threads);
+    let out = run(&["launch", "--nproc", "2"], &mpi);
+    // Rank 0 alone prints the summary.
+    assert_eq!(out.matches("trained 200 steps (102400 samples)").count(), 1, "{out}");
+    let (a, b) = (last_eval(&threads), last_eval(&mpi));
+    for k in ["auc", "ne", "logloss"] {
+        let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+        assert!((x - y).abs() < 1e-6, "{k}: threads {x} vs mpi {y}");
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}

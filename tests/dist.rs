@@ -1,0 +1,269 @@
+//! Training across ranks through the engine: a recipe trained on 2 and 3 ranks of the thread
+//! backend (tables sharded by the plan, dense model data-parallel) gives the same dense
+//! parameters, table weights, losses and eval metrics as one rank trained on the same global
+//! batches; and `trainrec run` trains the shipped 2-rank recipe.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use trainrec::data::{Batch, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
+use trainrec::dist::{ProcessGroup, ThreadGroup};
+use trainrec::engine::load_and_check;
+use trainrec::recipe::LoadOptions;
+use trainrec::sparse::KeyedJaggedTensor;
+use trainrec::{Job, Registry, TypedSampler};
+
+/// Global batches cut into one slice per rank: rank `r` of `W` gets the `r`-th of `W`
+/// near-equal slices (uneven when `global_batch` is not a multiple of `W`), so any world size
+/// sees the same global batches.
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct SlicesConfig {
+    /// Examples per global batch.
+    global_batch: usize,
+    /// Training batches per epoch.
+    batches: u64,
+}
+
+struct Slices {
+    schema: FeatureSchema,
+    config: SlicesConfig,
+    rows: [u64; 2],
+    rank: usize,
+    world: usize,
+}
+
+impl Slices {
+    fn global(&self, split: Split, index: u64) -> Vec<(Vec<f32>, [Vec<i64>; 2], f32)> {
+        let salt = if split == Split::Eval { 1 << 40 } else { 0 };
+        let mut rng = StdRng::seed_from_u64(salt + index);
+        (0..self.config.global_batch)
+            .map(|_| {
+                let dense: Vec<f32> = (0..3).map(|_| rng.random_range(0.0..1.0)).collect();
+                let ids = [0, 1].map(|f| {
+                    let n = rng.random_range(0..3usize);
+                    (0..n).map(|_| rng.random_range(0..self.rows[f] as i64)).collect::<Vec<_>>()
+                });
+                let label = if dense[0] + 0.1 * ids[0].len() as f32 > 0.7 { 1.0 } else { 0.0 };
+                (dense, ids, label)
+            })
+            .collect()
+    }
+
+    fn slice(&self, split: Split, index: u64) -> Result<Batch, DataError> {
+        let all = self.global(split, index);
+        let (g, w) = (all.len(), self.world);
+        let start = self.rank * (g / w) + self.rank.min(g % w);
+        let len = g / w + usize::from(self.rank < g % w);
+        let mine = &all[start..start + len];
+        let dense = mine.iter().flat_map(|e| e.0.clone()).collect();
+        let (mut values, mut lengths) = (Vec::new(), Vec::new());
+        for f in 0..2 {
+            for e in mine {
+                values.extend_from_slice(&e.1[f]);
+                lengths.push(e.1[f].len() as u32);
+            }
+        }
+        let sparse = KeyedJaggedTensor::new(vec!["a".into(), "b".into()], values, None, lengths, len)?;
+        let labels = mine.iter().map(|e| e.2).collect();
+        Ok(Batch { dense, num_dense: 3, sparse, labels, batch_size: len, groups: None })
+    }
+}
+
+impl TypedSampler for Slices {
+    type Config = SlicesConfig;
+    const KIND: &'static str = "global_slices";
+
+    fn features(_: &SlicesConfig) -> FeatureSchema {
+        FeatureSchema {
+            num_dense: 3,
+            sparse: vec!["a".into(), "b".into()],
+            labels: vec!["label".into()],
+            grouping_key: None,
+        }
+    }
+
+    fn build(config: SlicesConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        let rows = [ctx.rows("a")?, ctx.rows("b")?];
+        Ok(Self { schema: Self::features(&config), config, rows, rank: ctx.rank, world: ctx.world_size.max(1) })
+    }
+}
+
+impl Sampler for Slices {
+    fn schema(&self) -> &FeatureSchema {
+        &self.schema
+    }
+
+    fn batches(&self, split: Split, _epoch: u64, _batch_size: usize) -> Result<BatchStream, DataError> {
+        let n = if split == Split::Eval { 2 } else { self.config.batches };
+        let me = Slices {
+            schema: self.schema.clone(),
+            config: self.config.clone(),
+            rows: self.rows,
+            rank: self.rank,
+            world: self.world,
+        };
+        Ok(Box::new((0..n).map(move |i| me.slice(split, i))))
+    }
+}
+
+fn recipe(dir: &Path, world: usize, sharding: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(format!("w{world}-{sharding}.toml"));
+    let text = format!(
+        r#"
+[run]
+name = "dist-{world}-{sharding}"
+seed = 5
+threads = 1
+output_dir = "{out}"
+
+[data]
+batch_size = 8
+
+[data.sampler]
+kind = "global_slices"
+global_batch = 13
+batches = 5
+
+[[tables]]
+name = "ta"
+features = ["a"]
+rows = 40
+dim = 4
+constraints = {{ sharding_types = ["{sharding}"] }}
+
+[[tables]]
+name = "tb"
+features = ["b"]
+rows = 30
+dim = 4
+pooling = "mean"
+constraints = {{ sharding_types = ["table_wise"] }}
+
+[model]
+kind = "dlrm"
+dense_arch = [8, 4]
+over_arch = [8, 1]
+
+[optimizer]
+sparse = {{ kind = "sgd", lr = 0.5 }}
+dense = {{ kind = "sgd", lr = 0.5 }}
+
+[topology]
+world_size = {world}
+
+[train]
+epochs = 2
+log_every = 1
+progress = false
+
+[[metrics]]
+kind = "auc"
+
+[[metrics]]
+kind = "ne"
+"#,
+        out = dir.join(format!("run-{world}-{sharding}")).display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+struct Trained {
+    dense: std::collections::BTreeMap<String, Vec<f32>>,
+    tables: Vec<Vec<f32>>,
+    loss: (f64, f64),
+    eval: std::collections::BTreeMap<String, f64>,
+    steps: u64,
+}
+
+fn train(world: usize, sharding: &str) -> Trained {
+    let registry = Registry::builtin().sampler::<Slices>();
+    let dir = std::env::temp_dir().join(format!("trainrec-dist-{}", std::process::id()));
+    let path = recipe(&dir, world, sharding);
+    let options = LoadOptions { overrides: vec![], env: false };
+    let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+    let finish = |mut job: Job| {
+        let s = job.run().unwrap_or_else(|e| panic!("{e}"));
+        let tables = ["ta", "tb"].iter().map(|t| job.table_weights(t).unwrap().unwrap()).collect();
+        Trained { dense: job.dense_parameters(), tables, loss: s.train_loss, eval: s.eval, steps: s.steps }
+    };
+    if world == 1 {
+        return finish(Job::build(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}")));
+    }
+    let mut out = ThreadGroup::run(world, Duration::from_secs(60), |pg| {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+        finish(Job::build_rank(&loaded, &features, &registry, Some(pg)).unwrap_or_else(|e| panic!("{e}")))
+    });
+    out.remove(0).unwrap_or_else(|e| panic!("rank 0: {e}"))
+}
+
+fn close(what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{what}[{i}]: {x} vs one rank's {y}");
+    }
+}
+
+#[test]
+fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
+    for sharding in ["data_parallel", "row_wise", "table_wise", "column_wise"] {
+        let one = train(1, sharding);
+        assert_eq!(one.steps, 10);
+        for world in [2, 3] {
+            let many = train(world, sharding);
+            let what = format!("{sharding} on {world} ranks");
+            assert_eq!(many.steps, one.steps, "{what}");
+            assert!(
+                (many.loss.0 - one.loss.0).abs() < 1e-4 && (many.loss.1 - one.loss.1).abs() < 1e-4,
+                "{what}: {:?} vs {:?}",
+                many.loss,
+                one.loss
+            );
+            assert_eq!(many.dense.keys().collect::<Vec<_>>(), one.dense.keys().collect::<Vec<_>>());
+            for (name, v) in &one.dense {
+                close(&format!("{what}: dense {name}"), &many.dense[name], v);
+            }
+            for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
+                close(&format!("{what}: table {t}"), a, b);
+            }
+            for (k, v) in &one.eval {
+                assert!((many.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", many.eval[k]);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_shipped_two_rank_recipe_learns_the_planted_signal() {
+    let registry = custom_trainrec::registry();
+    let out = std::env::temp_dir().join(format!("trainrec-dist-quickstart-{}", std::process::id()));
+    let overrides = vec![
+        "train.steps=300".to_string(),
+        "train.eval_every=1000".to_string(),
+        "train.progress=false".to_string(),
+        "run.threads=1".to_string(),
+        format!("run.output_dir={}", out.display()),
+    ];
+    let options = LoadOptions { overrides, env: false };
+    let path = trainrec_tests::workspace().join("recipes/dist/quickstart_2ranks.toml");
+    let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+    assert_eq!(loaded.recipe.topology.world_size, 2);
+    let s = trainrec::engine::dist::run_threads(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}"));
+    // Both ranks' examples: 300 steps of 2 x 256.
+    assert_eq!((s.steps, s.samples), (300, 300 * 512));
+    assert!(s.eval["auc"] > 0.8, "{:?}", s.eval);
+    assert!(s.train_loss.1 < s.train_loss.0, "{:?}", s.train_loss);
+    // Rank 0 alone writes the run directory.
+    for f in ["resolved.toml", "plan.json", "metrics.jsonl"] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    let plan = std::fs::read_to_string(out.join("plan.json")).unwrap();
+    assert!(plan.contains("\"world_size\": 2"), "{plan}");
+}
