@@ -4,6 +4,7 @@
 //! the ranks holding their rows) and output dist (pooled embeddings back to the ranks that own
 //! the examples).
 
+pub mod bench;
 pub mod conformance;
 pub mod group;
 #[cfg(feature = "mpi")]
@@ -14,5 +15,5 @@ pub mod thread;
 pub use group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp};
 #[cfg(feature = "mpi")]
 pub use mpi_group::MpiGroup;
-pub use sharded::{DistContext, ShardSpec, ShardedEbc, TableSharding};
+pub use sharded::{DistContext, ShardSpec, ShardedEbc, StepTimes, TableSharding};
 pub use thread::ThreadGroup;

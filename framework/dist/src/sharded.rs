@@ -182,8 +182,31 @@ struct Route {
     shard: usize,
 }
 
+/// Where a step's time went on this rank (seconds) and the bytes this rank sent, per phase.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTimes {
+    /// Input dist: bucketizing, the splits and the lengths / ids / weights all-to-alls, and
+    /// assembling the local batch.
+    pub input_dist: f64,
+    /// Local pooled lookups (shards and data-parallel replicas).
+    pub lookup: f64,
+    /// Output dist: the pooled rows' all-to-all and placing them in the output.
+    pub output_dist: f64,
+    /// Backward dist: the output gradient's all-to-all to the shards (and the data-parallel
+    /// all-gathers).
+    pub grad_dist: f64,
+    /// The fused optimizer updates.
+    pub update: f64,
+    /// Bytes sent by the input dist's all-to-alls (splits, lengths, ids, weights).
+    pub input_bytes: usize,
+    /// Bytes sent by the output dist's all-to-all.
+    pub output_bytes: usize,
+}
+
 /// What a forward leaves for its backward (one per batch in flight).
 pub struct DistContext {
+    /// The forward's times.
+    times: StepTimes,
     /// The rank's local lookups over the global batch (absent without local shards).
     local_kjt: Option<KeyedJaggedTensor>,
     /// Examples per rank, rank order.
@@ -198,6 +221,11 @@ impl DistContext {
     /// Examples per rank in this step, rank order (the global batch is their sum).
     pub fn batch_sizes(&self) -> &[usize] {
         &self.batch_sizes
+    }
+
+    /// The forward's phase times and bytes.
+    pub fn times(&self) -> StepTimes {
+        self.times
     }
 }
 
@@ -409,6 +437,8 @@ impl ShardedEbc {
             }
         }
         let weighted = kjt.weights().is_some();
+        let start = std::time::Instant::now();
+        let mut times = StepTimes::default();
 
         // Input dist payloads, one per destination, route-major.
         let mut lengths: Vec<u32> = Vec::new();
@@ -496,12 +526,20 @@ impl ShardedEbc {
             None
         };
 
+        times.input_dist = start.elapsed().as_secs_f64();
+        times.input_bytes = 8 * splits.len()
+            + 4 * len_counts.iter().sum::<usize>()
+            + (8 + if weighted { 4 } else { 0 }) * val_counts.iter().sum::<usize>();
+
         // Lookup, then the output dist: each source gets its rows of every local output.
+        let clock = std::time::Instant::now();
         let lw = self.local_width[me];
         let mut pooled = vec![0f32; total * lw];
         if let (Some(local), Some(k)) = (&self.local, &local_kjt) {
             local.forward_into(k, &mut pooled).map_err(module)?;
         }
+        times.lookup = clock.elapsed().as_secs_f64();
+        let clock = std::time::Instant::now();
         let send_counts: Vec<usize> = batch_sizes.iter().map(|&bs| bs * lw).collect();
         let recv_counts: Vec<usize> = (0..world).map(|d| b * self.local_width[d]).collect();
         let recv = self.pg.all_to_all_v(&pooled, &send_counts, &recv_counts)?;
@@ -525,7 +563,11 @@ impl ShardedEbc {
             }
         }
 
+        times.output_dist = clock.elapsed().as_secs_f64();
+        times.output_bytes = 4 * pooled.len();
+
         // Data-parallel tables: local lookups on the local batch.
+        let clock = std::time::Instant::now();
         let dp_kjt = if let Some(dp) = &self.dp {
             let names: Vec<&str> = self.dp_outputs.iter().map(|&o| self.outputs[o].input.as_str()).collect();
             let mut unique: Vec<&str> = Vec::new();
@@ -550,6 +592,8 @@ impl ShardedEbc {
             None
         };
 
+        times.lookup += clock.elapsed().as_secs_f64();
+
         // Mean pooling of sharded tables: the sum over the bag's ids, divided by their count.
         let mut mean_scale = vec![Vec::new(); self.outputs.len()];
         for (oi, o) in self.outputs.iter().enumerate() {
@@ -566,13 +610,15 @@ impl ShardedEbc {
             }
             mean_scale[oi] = scale;
         }
-        Ok((out, DistContext { local_kjt, batch_sizes, mean_scale, dp_kjt }))
+        Ok((out, DistContext { times, local_kjt, batch_sizes, mean_scale, dp_kjt }))
     }
 
     /// Backward fused with the optimizer, from the gradient of this rank's `[B, width]` output
     /// (the reverse of the output dist, then each shard's fused update over the global batch).
-    /// Collective.
-    pub fn backward_and_update(&mut self, ctx: DistContext, grad: &[f32]) -> Result<(), DistError> {
+    /// Collective. Returns the whole step's phase times (the forward's and the backward's).
+    pub fn backward_and_update(&mut self, ctx: DistContext, grad: &[f32]) -> Result<StepTimes, DistError> {
+        let mut times = ctx.times;
+        let clock = std::time::Instant::now();
         let (world, me) = (self.pg.world_size(), self.pg.rank());
         let b = ctx.batch_sizes[me];
         let w = self.width;
@@ -603,11 +649,15 @@ impl ShardedEbc {
         let recv_counts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * lw).collect();
         // Sources in rank order: exactly the local KJT's bag order.
         let local_grad = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
+        times.grad_dist = clock.elapsed().as_secs_f64();
+        let clock = std::time::Instant::now();
         if let (Some(local), Some(k)) = (&mut self.local, &ctx.local_kjt) {
             local.backward_and_update(k, &local_grad).map_err(module)?;
         }
+        times.update = clock.elapsed().as_secs_f64();
 
         if let (Some(dp), Some(k)) = (&mut self.dp, &ctx.dp_kjt) {
+            let clock = std::time::Instant::now();
             // Every replica applies the global batch's update: gather ids and gradients.
             let dw: usize = self.dp_outputs.iter().map(|&o| self.tables[self.outputs[o].table].dim).sum();
             let mut g = Vec::with_capacity(b * dw);
@@ -630,9 +680,12 @@ impl ShardedEbc {
             };
             let grads = self.pg.all_gather_v(&g, &gcounts)?;
             let global = concat_by_rank(k.keys(), &ctx.batch_sizes, &lengths, &values, weights.as_deref())?;
+            times.grad_dist += clock.elapsed().as_secs_f64();
+            let clock = std::time::Instant::now();
             dp.backward_and_update(&global, &grads).map_err(module)?;
+            times.update += clock.elapsed().as_secs_f64();
         }
-        Ok(())
+        Ok(times)
     }
 
     /// The whole table `name` as fp32 `[rows, dim]`, assembled from every rank's shards.

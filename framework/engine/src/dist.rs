@@ -61,7 +61,8 @@ impl SparseArch {
                 crate::tensors::with_f32_slice(grad, |g| ebc.backward_and_update(kjt, g))?;
             }
             (Self::Sharded(s), Some(ctx)) => {
-                crate::tensors::with_f32_slice(grad, |g| s.backward_and_update(ctx, g))?;
+                let times = crate::tensors::with_f32_slice(grad, |g| s.backward_and_update(ctx, g))?;
+                tracing::trace!(?times, "sharded embedding step");
             }
             (Self::Sharded(_), None) => {
                 return Err(EngineError::Internal("sharded backward without its forward's context".into()));

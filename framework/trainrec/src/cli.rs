@@ -157,6 +157,53 @@ pub enum BenchCommand {
     /// W3: sharding planner wall time and plan quality on a table set, the flags and JSON keys
     /// of `bench/anchors/w3_planner.py`.
     Plan(PlanArgs),
+    /// Sharded embeddings across ranks: input dist, lookup, output dist, gradient dist and
+    /// update time per step for W2's shape, next to the raw all-to-all of the same bytes. Ranks
+    /// are threads of this process, or MPI processes under `mpirun` (built with `--features mpi`).
+    Dist(DistArgs),
+}
+
+/// Sharding of `bench dist`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum DistShardingArg {
+    /// Whole tables, round robin over the ranks.
+    TableWise,
+    /// Row blocks over every rank.
+    RowWise,
+    /// Column blocks over every rank.
+    ColumnWise,
+}
+
+/// Flags of `trainrec bench dist`.
+#[derive(Debug, clap::Args)]
+pub struct DistArgs {
+    /// Ranks (threads of this process; under `mpirun`, its `-n` instead).
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// How every table is sharded.
+    #[arg(long, value_enum, default_value = "table-wise")]
+    pub sharding: DistShardingArg,
+    /// Tables (one feature each).
+    #[arg(long, default_value_t = 26)]
+    pub tables: usize,
+    /// Rows per table.
+    #[arg(long, default_value_t = 100_000)]
+    pub rows: u64,
+    /// Embedding dim.
+    #[arg(long, default_value_t = 64)]
+    pub dim: usize,
+    /// Examples per rank.
+    #[arg(long, default_value_t = 2048)]
+    pub batch: usize,
+    /// Ids per feature per example.
+    #[arg(long, default_value_t = 1)]
+    pub ids_per_feature: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
 }
 
 /// Device of `bench plan`.
@@ -607,6 +654,24 @@ pub fn main_with(registry: Registry) -> ExitCode {
             print_bench(trainrec_data::bench_readers(&options).map(|r| r.to_json()))
         }
         Command::Bench { which: BenchCommand::Ebc(args) } => print_bench(trainrec_embedding::bench::run(&args.bench())),
+        Command::Bench { which: BenchCommand::Dist(a) } => {
+            let b = trainrec_dist::bench::DistBench {
+                tables: a.tables,
+                rows: a.rows,
+                dim: a.dim,
+                batch: a.batch,
+                ids_per_feature: a.ids_per_feature,
+                sharding: match a.sharding {
+                    DistShardingArg::TableWise => trainrec_planner::ShardingType::TableWise,
+                    DistShardingArg::RowWise => trainrec_planner::ShardingType::RowWise,
+                    DistShardingArg::ColumnWise => trainrec_planner::ShardingType::ColumnWise,
+                },
+                steps: a.steps,
+                warmup: a.warmup,
+                ..Default::default()
+            };
+            bench_dist(&b, a.world_size)
+        }
     }
 }
 
@@ -668,6 +733,29 @@ fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> 
 }
 
 /// Prints a benchmark's JSON line, or its error (exit 2: bad flags or inputs).
+/// `bench dist` on threads, or as this process's rank under `mpirun` (rank 0 prints).
+fn bench_dist(b: &trainrec_dist::bench::DistBench, world: usize) -> ExitCode {
+    if trainrec_engine::dist::mpirun_world_size().is_some() {
+        #[cfg(feature = "mpi")]
+        {
+            let run = || -> Result<Option<String>, trainrec_dist::DistError> {
+                let pg = trainrec_dist::MpiGroup::init(std::time::Duration::from_secs(300))?;
+                trainrec_dist::bench::run_rank(b, std::sync::Arc::new(pg))
+            };
+            return match run() {
+                Ok(Some(line)) => print_bench(Ok::<_, String>(line)),
+                Ok(None) => ExitCode::SUCCESS,
+                Err(e) => print_bench(Err::<String, _>(e)),
+            };
+        }
+        #[cfg(not(feature = "mpi"))]
+        return print_bench(Err::<String, _>(
+            "started by mpirun, but this trainrec binary has no MPI support: build it with --features mpi",
+        ));
+    }
+    print_bench(trainrec_dist::bench::run_threads(b, world))
+}
+
 fn print_bench<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>) -> ExitCode {
     match result {
         Ok(line) => {

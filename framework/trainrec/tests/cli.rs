@@ -248,3 +248,39 @@ fn bench_plan_prints_the_w3_keys() {
     assert!((worst - v["max_rank_perf_estimate"].as_f64().unwrap()).abs() < 1e-12);
     std::fs::remove_file(&tables).unwrap();
 }
+
+#[test]
+fn bench_dist_prints_every_phase_and_the_raw_all_to_all() {
+    let (code, stdout, stderr) = trainrec(&[
+        "bench",
+        "dist",
+        "--world-size",
+        "3",
+        "--sharding",
+        "row-wise",
+        "--tables",
+        "4",
+        "--rows",
+        "300",
+        "--dim",
+        "8",
+        "--batch",
+        "32",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        (v["bench"].as_str(), v["world_size"].as_u64(), v["sharding"].as_str()),
+        (Some("dist"), Some(3), Some("row_wise"))
+    );
+    for k in ["input_dist", "lookup", "output_dist", "grad_dist", "update", "total"] {
+        assert!(v["ms_per_step"][k].as_f64().is_some(), "{k}: {v}");
+    }
+    // Row-wise: every rank sends its partial sums of every example of every rank.
+    assert_eq!(v["bytes_sent_per_rank"]["output_dist"].as_u64(), Some(4 * 96 * 4 * 8), "{v}");
+    assert!(v["raw_all_to_all_ms"]["output_bytes"].as_f64().is_some(), "{v}");
+}

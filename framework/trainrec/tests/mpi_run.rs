@@ -56,3 +56,21 @@ fn mpi_processes_train_like_threads() {
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+#[test]
+fn bench_dist_runs_under_mpirun() {
+    let o = Command::new("mpirun")
+        .args(["--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_trainrec")])
+        .args(["bench", "dist", "--tables", "4", "--rows", "300", "--dim", "8", "--batch", "32", "--steps", "3"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    // Rank 0 alone prints its line.
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('{')).collect();
+    assert_eq!(lines.len(), 1, "{text}");
+    let v: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+    assert_eq!((v["backend"].as_str(), v["world_size"].as_u64()), (Some("mpi"), Some(2)), "{v}");
+}
