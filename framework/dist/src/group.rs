@@ -130,10 +130,31 @@ pub trait ProcessGroup: Send + Sync {
         send: &[u8],
         send_counts: &[usize],
         recv_counts: &[usize],
-    ) -> Result<Vec<u8>, DistError>;
+    ) -> Result<Vec<u8>, DistError> {
+        let mut out = vec![0u8; recv_counts.iter().sum()];
+        self.all_to_all_v_into(send, send_counts, recv_counts, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::all_to_all_v_bytes`] into the caller's buffer of `sum(recv_counts)` bytes (the
+    /// engine's primitive: a typed caller receives straight into its own vector).
+    fn all_to_all_v_into(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        out: &mut [u8],
+    ) -> Result<(), DistError>;
 
     /// Every rank's `local` bytes (`counts[s]` from rank `s`), concatenated in rank order.
-    fn all_gather_v_bytes(&self, local: &[u8], counts: &[usize]) -> Result<Vec<u8>, DistError>;
+    fn all_gather_v_bytes(&self, local: &[u8], counts: &[usize]) -> Result<Vec<u8>, DistError> {
+        let mut out = vec![0u8; counts.iter().sum()];
+        self.all_gather_v_into(local, counts, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::all_gather_v_bytes`] into the caller's buffer of `sum(counts)` bytes.
+    fn all_gather_v_into(&self, local: &[u8], counts: &[usize], out: &mut [u8]) -> Result<(), DistError>;
 
     /// Element-wise reduction of `data` across ranks, in place on every rank.
     fn all_reduce_f32(&self, data: &mut [f32], op: ReduceOp) -> Result<(), DistError>;
@@ -163,8 +184,14 @@ pub trait ProcessGroupExt: ProcessGroup {
     ) -> Result<Vec<T>, DistError> {
         let size = std::mem::size_of::<T>();
         let bytes = |c: &[usize]| c.iter().map(|n| n * size).collect::<Vec<_>>();
-        let raw = self.all_to_all_v_bytes(bytemuck::cast_slice(send), &bytes(send_counts), &bytes(recv_counts))?;
-        Ok(bytemuck::pod_collect_to_vec(&raw))
+        let mut out = vec![T::zeroed(); recv_counts.iter().sum()];
+        self.all_to_all_v_into(
+            bytemuck::cast_slice(send),
+            &bytes(send_counts),
+            &bytes(recv_counts),
+            bytemuck::cast_slice_mut(&mut out),
+        )?;
+        Ok(out)
     }
 
     /// One value to each rank, one value from each: the splits exchange before a variable
@@ -185,8 +212,9 @@ pub trait ProcessGroupExt: ProcessGroup {
     fn all_gather_v<T: Pod>(&self, local: &[T], counts: &[usize]) -> Result<Vec<T>, DistError> {
         let size = std::mem::size_of::<T>();
         let bytes: Vec<usize> = counts.iter().map(|n| n * size).collect();
-        let raw = self.all_gather_v_bytes(bytemuck::cast_slice(local), &bytes)?;
-        Ok(bytemuck::pod_collect_to_vec(&raw))
+        let mut out = vec![T::zeroed(); counts.iter().sum()];
+        self.all_gather_v_into(bytemuck::cast_slice(local), &bytes, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
     }
 
     /// Every rank's `value`, in rank order.

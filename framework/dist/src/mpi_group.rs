@@ -43,16 +43,8 @@ fn count(n: usize, op: &'static str) -> Result<Count, DistError> {
     Count::try_from(n).map_err(|_| DistError::Invalid { op, message: format!("{n} elements exceed MPI's count limit") })
 }
 
-/// A zeroed buffer of `n` elements whose pointer is a real allocation even when `n` is 0: MPI
-/// rejects a send and a receive buffer at the same address (two empty `Vec`s share one
-/// dangling pointer).
-fn buffer<T: Clone + Default>(n: usize) -> Vec<T> {
-    let mut v = Vec::with_capacity(n.max(1));
-    v.resize(n, T::default());
-    v
-}
-
-/// `s`, or an empty slice of a real allocation when `s` is empty (see [`buffer`]).
+/// `s`, or an empty slice of a real allocation when `s` is empty: MPI rejects a send and a
+/// receive buffer at the same address, and two empty vectors share one dangling pointer.
 fn nonaliased<'a>(s: &'a [u8], spare: &'a [u8; 1]) -> &'a [u8] {
     if s.is_empty() { &spare[..0] } else { s }
 }
@@ -140,49 +132,46 @@ impl ProcessGroup for MpiGroup {
         self.timeout
     }
 
-    fn all_to_all_v_bytes(
+    fn all_to_all_v_into(
         &self,
         send: &[u8],
         send_counts: &[usize],
         recv_counts: &[usize],
-    ) -> Result<Vec<u8>, DistError> {
+        out: &mut [u8],
+    ) -> Result<(), DistError> {
         const OP: &str = "all_to_all";
         check_counts(OP, send_counts, self.size, Some(send.len()))?;
-        check_counts(OP, recv_counts, self.size, None)?;
+        check_counts(OP, recv_counts, self.size, Some(out.len()))?;
         let sc: Vec<Count> = send_counts.iter().map(|&n| count(n, OP)).collect::<Result<_, _>>()?;
         let rc: Vec<Count> = recv_counts.iter().map(|&n| count(n, OP)).collect::<Result<_, _>>()?;
         let (sd, rd) = (displs(&sc), displs(&rc));
-        let mut recv = buffer::<u8>(recv_counts.iter().sum());
-        {
-            let spare = [0u8; 1];
-            let s = Partition::new(nonaliased(send, &spare), &sc[..], &sd[..]);
-            let mut r = PartitionMut::new(&mut recv[..], &rc[..], &rd[..]);
-            let (st, seq, deadline) = self.begin();
-            mpi::request::scope(|scope| {
-                let req = st.world.immediate_all_to_all_varcount_into(scope, &s, &mut r);
-                self.finish(req, &st.world, OP, seq, deadline)
-            })?;
-        }
-        Ok(recv)
+        let (spare, mut spare_out) = ([0u8; 1], [0u8; 1]);
+        let send = nonaliased(send, &spare);
+        let out: &mut [u8] = if out.is_empty() { &mut spare_out[..0] } else { out };
+        let s = Partition::new(send, &sc[..], &sd[..]);
+        let mut r = PartitionMut::new(out, &rc[..], &rd[..]);
+        let (st, seq, deadline) = self.begin();
+        mpi::request::scope(|scope| {
+            let req = st.world.immediate_all_to_all_varcount_into(scope, &s, &mut r);
+            self.finish(req, &st.world, OP, seq, deadline)
+        })
     }
 
-    fn all_gather_v_bytes(&self, local: &[u8], counts: &[usize]) -> Result<Vec<u8>, DistError> {
+    fn all_gather_v_into(&self, local: &[u8], counts: &[usize], out: &mut [u8]) -> Result<(), DistError> {
         const OP: &str = "all_gather";
         check_gather(OP, counts, self.size, self.rank, local.len())?;
+        check_counts(OP, counts, self.size, Some(out.len()))?;
         let c: Vec<Count> = counts.iter().map(|&n| count(n, OP)).collect::<Result<_, _>>()?;
         let d = displs(&c);
-        let mut recv = buffer::<u8>(counts.iter().sum());
-        {
-            let mut r = PartitionMut::new(&mut recv[..], &c[..], &d[..]);
-            let spare = [0u8; 1];
-            let local = nonaliased(local, &spare);
-            let (st, seq, deadline) = self.begin();
-            mpi::request::scope(|scope| {
-                let req = st.world.immediate_all_gather_varcount_into(scope, local, &mut r);
-                self.finish(req, &st.world, OP, seq, deadline)
-            })?;
-        }
-        Ok(recv)
+        let (spare, mut spare_out) = ([0u8; 1], [0u8; 1]);
+        let local = nonaliased(local, &spare);
+        let out: &mut [u8] = if out.is_empty() { &mut spare_out[..0] } else { out };
+        let mut r = PartitionMut::new(out, &c[..], &d[..]);
+        let (st, seq, deadline) = self.begin();
+        mpi::request::scope(|scope| {
+            let req = st.world.immediate_all_gather_varcount_into(scope, local, &mut r);
+            self.finish(req, &st.world, OP, seq, deadline)
+        })
     }
 
     fn all_reduce_f32(&self, data: &mut [f32], op: ReduceOp) -> Result<(), DistError> {

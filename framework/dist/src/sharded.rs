@@ -13,12 +13,16 @@
 //!    and weights, for all tables at once. A rank then holds, for each of its shards, the bags
 //!    of the whole global batch (sources in rank order).
 //! 2. **Lookup.** One local collection over the rank's shards pools (sum) every bag.
-//! 3. **Output dist.** One all-to-all sends each source rank its examples' pooled rows; the
-//!    source adds them into their columns of its `[B_r, width]` output (column blocks land
-//!    side by side; row blocks are partial sums and add up). Mean pooling is computed as the
-//!    sum divided by the bag's id count afterwards, as TorchRec does under row-wise sharding.
-//! 4. **Backward.** The reverse all-to-all brings each shard the output gradient of every
-//!    global example it pooled; the local collection's fused optimizer updates its rows once
+//! 3. **Output dist.** Row-wise tables (one full-width block on every rank of the world) hold
+//!    partial sums of the global batch: one reduce-scatter sums them and gives each source its
+//!    examples, as TorchRec's row-wise output dist. Every other shard's rows go back through
+//!    one all-to-all and the source adds them into their columns of its `[B_r, width]` output
+//!    (column blocks land side by side; the row blocks of table-row-wise and grid shards are
+//!    partial sums and add up). Mean pooling is computed as the sum divided by the bag's id
+//!    count afterwards, as TorchRec does under row-wise sharding.
+//! 4. **Backward.** The reverse collectives (an all-gather of the row-wise outputs' gradients,
+//!    an all-to-all of the others) bring each shard the output gradient of every global
+//!    example it pooled; the local collection's fused optimizer updates its rows once
 //!    per unique row with the gradient summed over the global batch, exactly as the unsharded
 //!    collection would on the global batch. Data-parallel tables all-gather ids and gradients
 //!    and apply the same global update on every replica.
@@ -242,6 +246,16 @@ pub struct ShardedEbc {
     route_cols: Vec<Vec<usize>>,
     /// Width of each rank's local output.
     local_width: Vec<usize>,
+    /// Per rank: its routes that go through the all-to-all (not the reduce-scatter).
+    a2a: Vec<Vec<usize>>,
+    /// Per rank: the all-to-all payload width (floats per example).
+    a2a_width: Vec<usize>,
+    /// This rank's routes of row-wise tables (one block per rank of the world), whose partial
+    /// sums are combined by one reduce-scatter; the same tables and outputs in the same order
+    /// on every rank.
+    rs: Vec<usize>,
+    /// Floats per example of the reduce-scatter.
+    rs_width: usize,
     local: Option<EmbeddingBagCollection>,
     /// Local table name of each (table, shard) held here.
     local_names: Vec<Vec<Option<String>>>,
@@ -307,6 +321,25 @@ impl ShardedEbc {
             })
             .collect();
         let local_width: Vec<usize> = routes.iter().map(|rs| rs.iter().map(width_of).sum()).collect();
+        // Row-wise over the whole world, one full-width block per rank: its partial sums are
+        // reduce-scattered (TorchRec's row-wise output dist); everything else is all-to-all.
+        let by_reduce_scatter: Vec<bool> = shardings
+            .iter()
+            .zip(&tables)
+            .map(|(s, t)| {
+                let mut ranks: Vec<usize> = s.shards.iter().map(|sh| sh.rank).collect();
+                ranks.sort_unstable();
+                s.sharding_type == ShardingType::RowWise
+                    && ranks == (0..world).collect::<Vec<_>>()
+                    && s.shards.iter().all(|sh| sh.cols.start == 0 && sh.cols.end == t.dim)
+            })
+            .collect();
+        let a2a: Vec<Vec<usize>> =
+            routes.iter().map(|rs| (0..rs.len()).filter(|&j| !by_reduce_scatter[rs[j].table]).collect()).collect();
+        let a2a_width: Vec<usize> =
+            a2a.iter().zip(&routes).map(|(js, rs)| js.iter().map(|&j| width_of(&rs[j])).sum()).collect();
+        let rs: Vec<usize> = (0..routes[me].len()).filter(|&j| by_reduce_scatter[routes[me][j].table]).collect();
+        let rs_width = rs.iter().map(|&j| width_of(&routes[me][j])).sum();
 
         // This rank's shards, one local table each, its features named `<output>/<shard>`.
         let mut local_tables = Vec::new();
@@ -387,6 +420,10 @@ impl ShardedEbc {
             routes,
             route_cols,
             local_width,
+            a2a,
+            a2a_width,
+            rs,
+            rs_width,
             local,
             local_names,
             dp,
@@ -451,12 +488,21 @@ impl ShardedEbc {
                 let f = kjt.feature(keys[r.output]);
                 let shard = &self.shardings[r.table].shards[r.shard];
                 let full = shard.rows.start == 0 && shard.rows.end == self.tables[r.table].rows;
+                if full {
+                    // Every id goes to this shard unchanged.
+                    lengths.extend_from_slice(f.lengths);
+                    values.extend_from_slice(f.values);
+                    if let Some(w) = f.weights {
+                        weights.extend_from_slice(w);
+                    }
+                    continue;
+                }
                 for bag in 0..b {
                     let (s, e) = (f.bag_start(bag), f.bag_start(bag + 1));
                     let mut n = 0u32;
                     for pos in s..e {
                         let id = f.values[pos] as u64;
-                        if full || shard.rows.contains(&id) {
+                        if shard.rows.contains(&id) {
                             values.push((id - shard.rows.start) as i64);
                             if let Some(w) = f.weights {
                                 weights.push(w[pos]);
@@ -540,31 +586,59 @@ impl ShardedEbc {
         }
         times.lookup = clock.elapsed().as_secs_f64();
         let clock = std::time::Instant::now();
-        let send_counts: Vec<usize> = batch_sizes.iter().map(|&bs| bs * lw).collect();
-        let recv_counts: Vec<usize> = (0..world).map(|d| b * self.local_width[d]).collect();
-        let recv = self.pg.all_to_all_v(&pooled, &send_counts, &recv_counts)?;
+        // All-to-all part: each source's rows of this rank's other outputs.
+        let mine = &self.routes[me];
+        let (aw, rw) = (self.a2a_width[me], self.rs_width);
+        let mut send = Vec::with_capacity(total * aw);
+        let mut rs_in = Vec::with_capacity(total * rw);
+        for row in pooled.chunks_exact(lw.max(1)).take(total) {
+            for &j in &self.a2a[me] {
+                send.extend_from_slice(&row[self.route_cols[me][j]..][..width_of(self, &mine[j])]);
+            }
+            for &j in &self.rs {
+                rs_in.extend_from_slice(&row[self.route_cols[me][j]..][..width_of(self, &mine[j])]);
+            }
+        }
+        let send_counts: Vec<usize> = batch_sizes.iter().map(|&bs| bs * aw).collect();
+        let recv_counts: Vec<usize> = (0..world).map(|d| b * self.a2a_width[d]).collect();
+        let recv = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
         let w = self.width;
         let mut out = vec![0f32; b * w];
         let mut at = 0;
         for d in 0..world {
-            let dw = self.local_width[d];
+            let dw = self.a2a_width[d];
             let block = &recv[at..at + b * dw];
             at += b * dw;
-            for (j, r) in self.routes[d].iter().enumerate() {
+            let mut src = 0;
+            for &j in &self.a2a[d] {
+                let r = &self.routes[d][j];
                 let shard = &self.shardings[r.table].shards[r.shard];
-                let (src, dst, n) =
-                    (self.route_cols[d][j], self.outputs[r.output].col + shard.cols.start, shard.cols.len());
+                let (dst, n) = (self.outputs[r.output].col + shard.cols.start, shard.cols.len());
                 for e in 0..b {
                     let o = &mut out[e * w + dst..][..n];
                     for (x, y) in o.iter_mut().zip(&block[e * dw + src..][..n]) {
                         *x += y;
                     }
                 }
+                src += n;
             }
         }
-
+        // Reduce-scatter part: row-wise partial sums of the global batch, summed across ranks,
+        // each source receiving its own examples.
+        if rw > 0 {
+            let counts: Vec<usize> = batch_sizes.iter().map(|&bs| bs * rw).collect();
+            let summed = self.pg.reduce_scatter_f32(&rs_in, &counts)?;
+            let mut src = 0;
+            for &j in &self.rs {
+                let (dst, n) = (self.outputs[mine[j].output].col, width_of(self, &mine[j]));
+                for e in 0..b {
+                    out[e * w + dst..][..n].copy_from_slice(&summed[e * rw + src..][..n]);
+                }
+                src += n;
+            }
+        }
         times.output_dist = clock.elapsed().as_secs_f64();
-        times.output_bytes = 4 * pooled.len();
+        times.output_bytes = 4 * (send.len() + rs_in.len());
 
         // Data-parallel tables: local lookups on the local batch.
         let clock = std::time::Instant::now();
@@ -628,27 +702,61 @@ impl ShardedEbc {
                 grad.len()
             )));
         }
-        let mut send = Vec::with_capacity(b * self.local_width.iter().sum::<usize>());
+        // One output's gradient rows for example `e`, times 1/ids for mean pooling.
+        let grad_of = |r: &Route, e: usize, into: &mut Vec<f32>| {
+            let shard = &self.shardings[r.table].shards[r.shard];
+            let g = &grad[e * w + self.outputs[r.output].col + shard.cols.start..][..shard.cols.len()];
+            match ctx.mean_scale[r.output].get(e) {
+                Some(&s) => into.extend(g.iter().map(|x| x * s)),
+                None => into.extend_from_slice(g),
+            }
+        };
+        // All-to-all part: to each rank, this rank's examples' gradients of its outputs.
+        let mut send = Vec::with_capacity(b * self.a2a_width.iter().sum::<usize>());
         let mut send_counts = vec![0usize; world];
-        for (count, routes) in send_counts.iter_mut().zip(&self.routes) {
+        for (d, count) in send_counts.iter_mut().enumerate() {
             let start = send.len();
             for e in 0..b {
-                for r in routes {
-                    let shard = &self.shardings[r.table].shards[r.shard];
-                    let o = &self.outputs[r.output];
-                    let g = &grad[e * w + o.col + shard.cols.start..][..shard.cols.len()];
-                    match ctx.mean_scale[r.output].get(e) {
-                        Some(&s) => send.extend(g.iter().map(|x| x * s)),
-                        None => send.extend_from_slice(g),
-                    }
+                for &j in &self.a2a[d] {
+                    grad_of(&self.routes[d][j], e, &mut send);
                 }
             }
             *count = send.len() - start;
         }
-        let lw = self.local_width[me];
-        let recv_counts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * lw).collect();
-        // Sources in rank order: exactly the local KJT's bag order.
-        let local_grad = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
+        let (lw, aw, rw) = (self.local_width[me], self.a2a_width[me], self.rs_width);
+        let total: usize = ctx.batch_sizes.iter().sum();
+        let recv_counts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * aw).collect();
+        let recv = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
+        // Reduce-scatter part in reverse: every rank's gradients of the row-wise outputs.
+        let gathered = if rw > 0 {
+            let mut mine = Vec::with_capacity(b * rw);
+            for e in 0..b {
+                for &j in &self.rs {
+                    grad_of(&self.routes[me][j], e, &mut mine);
+                }
+            }
+            let counts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * rw).collect();
+            self.pg.all_gather_v(&mine, &counts)?
+        } else {
+            Vec::new()
+        };
+        // The local gradient `[global batch, local width]` (sources in rank order: the local
+        // KJT's bag order).
+        let mut local_grad = vec![0f32; total * lw];
+        for (row, g) in local_grad.chunks_exact_mut(lw.max(1)).take(total).enumerate() {
+            let mut src = row * aw;
+            for &j in &self.a2a[me] {
+                let n = width_of(self, &self.routes[me][j]);
+                g[self.route_cols[me][j]..][..n].copy_from_slice(&recv[src..src + n]);
+                src += n;
+            }
+            let mut src = row * rw;
+            for &j in &self.rs {
+                let n = width_of(self, &self.routes[me][j]);
+                g[self.route_cols[me][j]..][..n].copy_from_slice(&gathered[src..src + n]);
+                src += n;
+            }
+        }
         times.grad_dist = clock.elapsed().as_secs_f64();
         let clock = std::time::Instant::now();
         if let (Some(local), Some(k)) = (&mut self.local, &ctx.local_kjt) {
@@ -754,6 +862,11 @@ impl ShardedEbc {
     fn table_index(&self, name: &str) -> Result<usize, DistError> {
         self.tables.iter().position(|t| t.name == name).ok_or_else(|| DistError::Module(format!("no table '{name}'")))
     }
+}
+
+/// Columns of a route: its shard's width.
+fn width_of(ebc: &ShardedEbc, r: &Route) -> usize {
+    ebc.shardings[r.table].shards[r.shard].cols.len()
 }
 
 fn first_output(outputs: &[Output], table: usize) -> usize {

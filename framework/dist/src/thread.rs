@@ -164,6 +164,22 @@ fn split(buf: &[u8], counts: &[usize]) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// Copies each rank's part (rank order) into `out`, checking it has the expected size.
+fn place(op: &'static str, rank: usize, parts: &[Vec<u8>], counts: &[usize], out: &mut [u8]) -> Result<(), DistError> {
+    let mut at = 0;
+    for (s, (part, &want)) in parts.iter().zip(counts).enumerate() {
+        if part.len() != want {
+            return Err(DistError::Invalid {
+                op,
+                message: format!("rank {rank} expected {want} bytes from rank {s}, which sent {}", part.len()),
+            });
+        }
+        out[at..at + want].copy_from_slice(part);
+        at += want;
+    }
+    Ok(())
+}
+
 impl ProcessGroup for ThreadGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -181,46 +197,26 @@ impl ProcessGroup for ThreadGroup {
         self.timeout
     }
 
-    fn all_to_all_v_bytes(
+    fn all_to_all_v_into(
         &self,
         send: &[u8],
         send_counts: &[usize],
         recv_counts: &[usize],
-    ) -> Result<Vec<u8>, DistError> {
+        out: &mut [u8],
+    ) -> Result<(), DistError> {
         const OP: &str = "all_to_all";
         check_counts(OP, send_counts, self.world, Some(send.len()))?;
-        check_counts(OP, recv_counts, self.world, None)?;
+        check_counts(OP, recv_counts, self.world, Some(out.len()))?;
         let got = self.exchange(OP, split(send, send_counts))?;
-        let mut out = Vec::with_capacity(recv_counts.iter().sum());
-        for (s, (part, &want)) in got.iter().zip(recv_counts).enumerate() {
-            if part.len() != want {
-                return Err(DistError::Invalid {
-                    op: OP,
-                    message: format!(
-                        "rank {} expected {want} bytes from rank {s}, which sent {}",
-                        self.rank,
-                        part.len()
-                    ),
-                });
-            }
-            out.extend_from_slice(part);
-        }
-        Ok(out)
+        place(OP, self.rank, &got, recv_counts, out)
     }
 
-    fn all_gather_v_bytes(&self, local: &[u8], counts: &[usize]) -> Result<Vec<u8>, DistError> {
+    fn all_gather_v_into(&self, local: &[u8], counts: &[usize], out: &mut [u8]) -> Result<(), DistError> {
         const OP: &str = "all_gather";
         check_gather(OP, counts, self.world, self.rank, local.len())?;
+        check_counts(OP, counts, self.world, Some(out.len()))?;
         let got = self.exchange(OP, vec![local.to_vec(); self.world])?;
-        for (s, (part, &want)) in got.iter().zip(counts).enumerate() {
-            if part.len() != want {
-                return Err(DistError::Invalid {
-                    op: OP,
-                    message: format!("rank {s} gave {} bytes, rank {} expected {want}", part.len(), self.rank),
-                });
-            }
-        }
-        Ok(got.concat())
+        place(OP, self.rank, &got, counts, out)
     }
 
     fn all_reduce_f32(&self, data: &mut [f32], op: ReduceOp) -> Result<(), DistError> {

@@ -735,6 +735,8 @@ fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> 
 /// Prints a benchmark's JSON line, or its error (exit 2: bad flags or inputs).
 /// `bench dist` on threads, or as this process's rank under `mpirun` (rank 0 prints).
 fn bench_dist(b: &trainrec_dist::bench::DistBench, world: usize) -> ExitCode {
+    // As `trainrec run` does: the step's large buffers reuse mapped pages.
+    trainrec_engine::tensors::tune_allocator();
     if trainrec_engine::dist::mpirun_world_size().is_some() {
         #[cfg(feature = "mpi")]
         {
