@@ -108,6 +108,9 @@ pub struct Case {
     pub sizes: Vec<usize>,
     /// Whether the ids carry weights.
     pub weighted: bool,
+    /// Whether each rank sends its batch deduplicated (VBE: distinct bags per key and
+    /// `inverse_indices`); the result must equal the full batch's.
+    pub vbe: bool,
 }
 
 /// Runs `case` on this rank of `pg` (every rank must run the same cases in the same order).
@@ -144,7 +147,9 @@ pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
         ebc.set_table_weights(&t.name, w).map_err(d)?;
     }
     for (step, b) in batches.iter().enumerate() {
-        let (out, ctx) = ebc.forward(&kjt(b, mine.clone())).map_err(d)?;
+        let local = kjt(b, mine.clone());
+        let local = if case.vbe { local.dedup().map_err(|e| format!("{name}: dedup: {e}"))? } else { local };
+        let (out, ctx) = ebc.forward(&local).map_err(d)?;
         close(
             &format!("{name}: rank {r} step {step} output"),
             &out,
@@ -187,7 +192,8 @@ fn grid(rows: u64, dim: usize, ranks: &[usize]) -> TableSharding {
 }
 
 /// Every sharding type (and a mix) on `sizes.len()` ranks (at least 2), each with its usual
-/// optimizer and with SGD ((row-wise) Adagrad is blind to a gradient's scale; SGD is not).
+/// optimizer, with SGD ((row-wise) Adagrad is blind to a gradient's scale; SGD is not), and
+/// with SGD on deduplicated (VBE) batches.
 pub fn cases(sizes: &[usize], weighted: bool) -> Vec<Case> {
     let w = sizes.len();
     let all: Vec<usize> = (0..w).collect();
@@ -227,13 +233,15 @@ pub fn cases(sizes: &[usize], weighted: bool) -> Vec<Case> {
     ];
     let mut out = Vec::new();
     for (name, shardings, opt) in types {
-        for (opt_name, optimizer) in [("", opt), (", sgd", SparseOptimizerConfig::Sgd { lr: 0.05 })] {
+        let sgd = SparseOptimizerConfig::Sgd { lr: 0.05 };
+        for (variant, optimizer, vbe) in [("", opt, false), (", sgd", sgd.clone(), false), (", sgd, vbe", sgd, true)] {
             out.push(Case {
-                name: format!("{name} (world {w}, weighted {weighted}{opt_name})"),
+                name: format!("{name} (world {w}, weighted {weighted}{variant})"),
                 shardings: shardings.clone(),
                 optimizer,
                 sizes: sizes.to_vec(),
                 weighted,
+                vbe,
             });
         }
     }

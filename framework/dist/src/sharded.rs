@@ -217,8 +217,18 @@ pub struct DistContext {
     batch_sizes: Vec<usize>,
     /// `1 / ids` per (mean output, example); empty for sum outputs.
     mean_scale: Vec<Vec<f32>>,
-    /// The data-parallel features of the local batch.
+    /// The data-parallel features of the local batch (expanded to the full batch).
     dp_kjt: Option<KeyedJaggedTensor>,
+    /// Per output: its bags on this rank (the batch, or a VBE key's distinct bags).
+    nbags: Vec<usize>,
+    /// Per output of a VBE batch: each sample's bag (`inverse_indices`).
+    sample_bag: Vec<Option<Vec<usize>>>,
+    /// `bags[j][s]`: bags of local route `j` from rank `s`.
+    bags: Vec<Vec<usize>>,
+    /// `off[j][s]`: where those bags start in the local batch.
+    off: Vec<Vec<usize>>,
+    /// Bags per key of the local batch (padded).
+    stride: usize,
 }
 
 impl DistContext {
@@ -248,8 +258,6 @@ pub struct ShardedEbc {
     local_width: Vec<usize>,
     /// Per rank: its routes that go through the all-to-all (not the reduce-scatter).
     a2a: Vec<Vec<usize>>,
-    /// Per rank: the all-to-all payload width (floats per example).
-    a2a_width: Vec<usize>,
     /// This rank's routes of row-wise tables (one block per rank of the world), whose partial
     /// sums are combined by one reduce-scatter; the same tables and outputs in the same order
     /// on every rank.
@@ -336,8 +344,6 @@ impl ShardedEbc {
             .collect();
         let a2a: Vec<Vec<usize>> =
             routes.iter().map(|rs| (0..rs.len()).filter(|&j| !by_reduce_scatter[rs[j].table]).collect()).collect();
-        let a2a_width: Vec<usize> =
-            a2a.iter().zip(&routes).map(|(js, rs)| js.iter().map(|&j| width_of(&rs[j])).sum()).collect();
         let rs: Vec<usize> = (0..routes[me].len()).filter(|&j| by_reduce_scatter[routes[me][j].table]).collect();
         let rs_width = rs.iter().map(|&j| width_of(&routes[me][j])).sum();
 
@@ -421,7 +427,6 @@ impl ShardedEbc {
             route_cols,
             local_width,
             a2a,
-            a2a_width,
             rs,
             rs_width,
             local,
@@ -441,17 +446,26 @@ impl ShardedEbc {
         &self.pg
     }
 
-    /// Pooled lookups of this rank's batch `kjt` (every input feature, `B` bags each):
-    /// `[B, width]` row-major, the unsharded collection's layout, and the context its
-    /// backward needs. Collective: every rank calls it with its own batch.
+    /// Pooled lookups of this rank's batch `kjt` (every input feature): `[B, width]`
+    /// row-major, the unsharded collection's layout, and the context its backward needs.
+    /// Collective: every rank calls it with its own batch.
+    ///
+    /// A variable-batch (VBE) `kjt` (per key its distinct bags and `inverse_indices`, e.g. from
+    /// [`KeyedJaggedTensor::dedup`]) moves and pools only the distinct bags; the output is
+    /// expanded to the full batch of `B = inverse_indices` samples at the end, and equals the
+    /// forward of the expanded batch.
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<f32>, DistContext), DistError> {
-        if kjt.variable_stride_per_key() {
-            return Err(DistError::Module(
-                "variable-batch (VBE) inputs are not supported by the sharded collection yet".into(),
-            ));
-        }
         let (world, me) = (self.pg.world_size(), self.pg.rank());
-        let b = kjt.stride();
+        let inverse = match (kjt.variable_stride_per_key(), kjt.inverse_indices()) {
+            (false, _) => None,
+            (true, Some(inv)) => Some(inv),
+            (true, None) => {
+                return Err(DistError::Module(
+                    "a variable-batch (VBE) batch needs inverse_indices to expand its pooled output".into(),
+                ));
+            }
+        };
+        let b = inverse.map_or(kjt.stride(), |inv| inv.indices.first().map_or(0, Vec::len));
         let keys: Vec<usize> = self
             .outputs
             .iter()
@@ -474,6 +488,10 @@ impl ShardedEbc {
             }
         }
         let weighted = kjt.weights().is_some();
+        // Per output: its bags here (B, or the distinct bags of a VBE key) and each sample's bag.
+        let nbags: Vec<usize> = keys.iter().map(|&k| kjt.feature(k).num_bags()).collect();
+        let sample_bag: Vec<Option<Vec<usize>>> =
+            keys.iter().map(|&k| inverse.map(|inv| inv.indices[k].clone())).collect();
         let start = std::time::Instant::now();
         let mut times = StepTimes::default();
 
@@ -487,8 +505,7 @@ impl ShardedEbc {
             for r in &self.routes[d] {
                 let f = kjt.feature(keys[r.output]);
                 let shard = &self.shardings[r.table].shards[r.shard];
-                let full = shard.rows.start == 0 && shard.rows.end == self.tables[r.table].rows;
-                if full {
+                if shard.rows.start == 0 && shard.rows.end == self.tables[r.table].rows {
                     // Every id goes to this shard unchanged.
                     lengths.extend_from_slice(f.lengths);
                     values.extend_from_slice(f.values);
@@ -497,7 +514,7 @@ impl ShardedEbc {
                     }
                     continue;
                 }
-                for bag in 0..b {
+                for bag in 0..f.num_bags() {
                     let (s, e) = (f.bag_start(bag), f.bag_start(bag + 1));
                     let mut n = 0u32;
                     for pos in s..e {
@@ -516,141 +533,168 @@ impl ShardedEbc {
             len_counts[d] = lengths.len() - l0;
             val_counts[d] = values.len() - v0;
         }
-        // Splits first: batch size, id count and weightedness per destination.
-        let mut splits = Vec::with_capacity(3 * world);
-        for &n in &val_counts {
-            splits.extend([b as u64, n as u64, weighted as u64]);
+        // Splits first: batch size, id count, weightedness and each route's bag count, per
+        // destination.
+        let mut splits = Vec::new();
+        let mut split_counts = vec![0usize; world];
+        for (d, count) in split_counts.iter_mut().enumerate() {
+            splits.extend([b as u64, val_counts[d] as u64, weighted as u64]);
+            splits.extend(self.routes[d].iter().map(|r| nbags[r.output] as u64));
+            *count = 3 + self.routes[d].len();
         }
-        let got = self.pg.all_to_all_counts(&splits)?;
-        let batch_sizes: Vec<usize> = (0..world).map(|s| got[3 * s] as usize).collect();
-        let recv_vals: Vec<usize> = (0..world).map(|s| got[3 * s + 1] as usize).collect();
-        if let Some(s) = (0..world).find(|&s| (got[3 * s + 2] != 0) != weighted) {
+        let mine = &self.routes[me];
+        let got = self.pg.all_to_all_v(&splits, &split_counts, &vec![3 + mine.len(); world])?;
+        let at = |s: usize, i: usize| got[s * (3 + mine.len()) + i] as usize;
+        let batch_sizes: Vec<usize> = (0..world).map(|s| at(s, 0)).collect();
+        let recv_vals: Vec<usize> = (0..world).map(|s| at(s, 1)).collect();
+        if let Some(s) = (0..world).find(|&s| (at(s, 2) != 0) != weighted) {
             return Err(DistError::Module(format!(
                 "rank {s}'s batch is {}weighted but rank {me}'s is {}weighted: every rank must send the same features",
-                if got[3 * s + 2] != 0 { "" } else { "not " },
+                if at(s, 2) != 0 { "" } else { "not " },
                 if weighted { "" } else { "not " }
             )));
         }
-        let mine = &self.routes[me];
-        let recv_lens: Vec<usize> = batch_sizes.iter().map(|&bs| bs * mine.len()).collect();
+        // bags[j][s]: the bags of route j from rank s; off[j][s]: where they start locally.
+        let bags: Vec<Vec<usize>> = (0..mine.len()).map(|j| (0..world).map(|s| at(s, 3 + j)).collect()).collect();
+        let off: Vec<Vec<usize>> = bags
+            .iter()
+            .map(|bs| {
+                bs.iter()
+                    .scan(0, |a, &n| {
+                        let o = *a;
+                        *a += n;
+                        Some(o)
+                    })
+                    .collect()
+            })
+            .collect();
+        let recv_lens: Vec<usize> = (0..world).map(|s| bags.iter().map(|bs| bs[s]).sum()).collect();
         let lengths = self.pg.all_to_all_v(&lengths, &len_counts, &recv_lens)?;
         let values = self.pg.all_to_all_v(&values, &val_counts, &recv_vals)?;
         let weights = if weighted { Some(self.pg.all_to_all_v(&weights, &val_counts, &recv_vals)?) } else { None };
-        let total: usize = batch_sizes.iter().sum();
 
-        // The local KJT over the global batch: per route, the sources' bags in rank order.
+        // The local KJT: per route, the sources' bags in rank order, padded with empty bags to
+        // one stride (routes of VBE keys have fewer).
+        let stride = bags.iter().map(|bs| bs.iter().sum::<usize>()).max().unwrap_or(0);
         let local_kjt = if let Some(local) = &self.local {
-            let keys = local.output_keys();
             let (mut lens, mut vals, mut ws) = (Vec::new(), Vec::new(), Vec::new());
-            // Per source: where its lengths and values start.
-            let mut len_at = Vec::with_capacity(world);
-            let mut val_at = Vec::with_capacity(world);
+            let mut len_at = vec![0usize; world];
+            let mut val_at = vec![0usize; world];
             let (mut la, mut va) = (0, 0);
             for s in 0..world {
-                len_at.push(la);
-                val_at.push(va);
+                len_at[s] = la;
+                val_at[s] = va;
                 la += recv_lens[s];
                 va += recv_vals[s];
             }
-            // Per source, the value offset of each route (route-major payloads).
-            let mut cursor = val_at.clone();
-            for j in 0..mine.len() {
+            for bs in &bags {
                 for s in 0..world {
-                    let bs = batch_sizes[s];
-                    let l = &lengths[len_at[s] + j * bs..][..bs];
+                    let l = &lengths[len_at[s]..len_at[s] + bs[s]];
                     let n: usize = l.iter().map(|&x| x as usize).sum();
                     lens.extend_from_slice(l);
-                    vals.extend_from_slice(&values[cursor[s]..cursor[s] + n]);
+                    vals.extend_from_slice(&values[val_at[s]..val_at[s] + n]);
                     if let Some(w) = &weights {
-                        ws.extend_from_slice(&w[cursor[s]..cursor[s] + n]);
+                        ws.extend_from_slice(&w[val_at[s]..val_at[s] + n]);
                     }
-                    cursor[s] += n;
+                    len_at[s] += bs[s];
+                    val_at[s] += n;
                 }
+                lens.extend(std::iter::repeat_n(0, stride - bs.iter().sum::<usize>()));
             }
-            Some(KeyedJaggedTensor::new(keys, vals, weighted.then_some(ws), lens, total).map_err(module)?)
+            Some(
+                KeyedJaggedTensor::new(local.output_keys(), vals, weighted.then_some(ws), lens, stride)
+                    .map_err(module)?,
+            )
         } else {
             None
         };
-
         times.input_dist = start.elapsed().as_secs_f64();
         times.input_bytes = 8 * splits.len()
             + 4 * len_counts.iter().sum::<usize>()
             + (8 + if weighted { 4 } else { 0 }) * val_counts.iter().sum::<usize>();
 
-        // Lookup, then the output dist: each source gets its rows of every local output.
+        // Lookup.
         let clock = std::time::Instant::now();
         let lw = self.local_width[me];
-        let mut pooled = vec![0f32; total * lw];
+        let mut pooled = vec![0f32; stride * lw];
         if let (Some(local), Some(k)) = (&self.local, &local_kjt) {
             local.forward_into(k, &mut pooled).map_err(module)?;
         }
         times.lookup = clock.elapsed().as_secs_f64();
+
+        // Output dist, route-major payloads: to each source, its bags of every local output
+        // (all-to-all); the row-wise partial sums of every source's bags (reduce-scatter).
         let clock = std::time::Instant::now();
-        // All-to-all part: each source's rows of this rank's other outputs.
-        let mine = &self.routes[me];
-        let (aw, rw) = (self.a2a_width[me], self.rs_width);
-        let mut send = Vec::with_capacity(total * aw);
-        let mut rs_in = Vec::with_capacity(total * rw);
-        for row in pooled.chunks_exact(lw.max(1)).take(total) {
+        let block_of = |j: usize, s: usize, into: &mut Vec<f32>| {
+            let (c, n) = (self.route_cols[me][j], width_of(self, &mine[j]));
+            for row in off[j][s]..off[j][s] + bags[j][s] {
+                into.extend_from_slice(&pooled[row * lw + c..][..n]);
+            }
+        };
+        let mut send = Vec::new();
+        let mut send_counts = vec![0usize; world];
+        let mut rs_in = Vec::new();
+        let mut rs_counts = vec![0usize; world];
+        for s in 0..world {
+            let (a0, r0) = (send.len(), rs_in.len());
             for &j in &self.a2a[me] {
-                send.extend_from_slice(&row[self.route_cols[me][j]..][..width_of(self, &mine[j])]);
+                block_of(j, s, &mut send);
             }
             for &j in &self.rs {
-                rs_in.extend_from_slice(&row[self.route_cols[me][j]..][..width_of(self, &mine[j])]);
+                block_of(j, s, &mut rs_in);
             }
+            send_counts[s] = send.len() - a0;
+            rs_counts[s] = rs_in.len() - r0;
         }
-        let send_counts: Vec<usize> = batch_sizes.iter().map(|&bs| bs * aw).collect();
-        let recv_counts: Vec<usize> = (0..world).map(|d| b * self.a2a_width[d]).collect();
+        let recv_counts: Vec<usize> = (0..world)
+            .map(|d| {
+                self.a2a[d].iter().map(|&j| nbags[self.routes[d][j].output] * width_of(self, &self.routes[d][j])).sum()
+            })
+            .collect();
         let recv = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
+        let summed = if self.rs_width > 0 { self.pg.reduce_scatter_f32(&rs_in, &rs_counts)? } else { Vec::new() };
+        // Expand to the full batch: sample e reads its bag's row.
         let w = self.width;
         let mut out = vec![0f32; b * w];
+        let mut place = |r: &Route, block: &[f32]| {
+            let shard = &self.shardings[r.table].shards[r.shard];
+            let (dst, n) = (self.outputs[r.output].col + shard.cols.start, shard.cols.len());
+            for e in 0..b {
+                let bag = sample_bag[r.output].as_ref().map_or(e, |m| m[e]);
+                for (x, y) in out[e * w + dst..][..n].iter_mut().zip(&block[bag * n..][..n]) {
+                    *x += y;
+                }
+            }
+        };
         let mut at = 0;
         for d in 0..world {
-            let dw = self.a2a_width[d];
-            let block = &recv[at..at + b * dw];
-            at += b * dw;
-            let mut src = 0;
             for &j in &self.a2a[d] {
                 let r = &self.routes[d][j];
-                let shard = &self.shardings[r.table].shards[r.shard];
-                let (dst, n) = (self.outputs[r.output].col + shard.cols.start, shard.cols.len());
-                for e in 0..b {
-                    let o = &mut out[e * w + dst..][..n];
-                    for (x, y) in o.iter_mut().zip(&block[e * dw + src..][..n]) {
-                        *x += y;
-                    }
-                }
-                src += n;
+                let len = nbags[r.output] * width_of(self, r);
+                place(r, &recv[at..at + len]);
+                at += len;
             }
         }
-        // Reduce-scatter part: row-wise partial sums of the global batch, summed across ranks,
-        // each source receiving its own examples.
-        if rw > 0 {
-            let counts: Vec<usize> = batch_sizes.iter().map(|&bs| bs * rw).collect();
-            let summed = self.pg.reduce_scatter_f32(&rs_in, &counts)?;
-            let mut src = 0;
-            for &j in &self.rs {
-                let (dst, n) = (self.outputs[mine[j].output].col, width_of(self, &mine[j]));
-                for e in 0..b {
-                    out[e * w + dst..][..n].copy_from_slice(&summed[e * rw + src..][..n]);
-                }
-                src += n;
-            }
+        let mut at = 0;
+        for &j in &self.rs {
+            let r = &mine[j];
+            let len = nbags[r.output] * width_of(self, r);
+            place(r, &summed[at..at + len]);
+            at += len;
         }
         times.output_dist = clock.elapsed().as_secs_f64();
         times.output_bytes = 4 * (send.len() + rs_in.len());
 
-        // Data-parallel tables: local lookups on the local batch.
+        // Data-parallel tables: local lookups on the local (full) batch.
         let clock = std::time::Instant::now();
         let dp_kjt = if let Some(dp) = &self.dp {
-            let names: Vec<&str> = self.dp_outputs.iter().map(|&o| self.outputs[o].input.as_str()).collect();
             let mut unique: Vec<&str> = Vec::new();
-            for n in names {
-                if !unique.contains(&n) {
-                    unique.push(n);
+            for &o in &self.dp_outputs {
+                if !unique.contains(&self.outputs[o].input.as_str()) {
+                    unique.push(self.outputs[o].input.as_str());
                 }
             }
-            let k = kjt.select_keys(&unique).map_err(module)?;
+            let k = kjt.select_keys(&unique).and_then(|k| k.expand_vbe()).map_err(module)?;
             let pooled = dp.forward(&k).map_err(module)?;
             let (vals, pw) = (pooled.values(), pooled.width());
             let mut c = 0;
@@ -665,7 +709,6 @@ impl ShardedEbc {
         } else {
             None
         };
-
         times.lookup += clock.elapsed().as_secs_f64();
 
         // Mean pooling of sharded tables: the sum over the bag's ids, divided by their count.
@@ -676,7 +719,12 @@ impl ShardedEbc {
             }
             let f = kjt.feature(keys[oi]);
             let dim = self.tables[o.table].dim;
-            let scale: Vec<f32> = f.lengths.iter().map(|&l| if l > 0 { 1.0 / l as f32 } else { 1.0 }).collect();
+            let scale: Vec<f32> = (0..b)
+                .map(|e| {
+                    let l = f.lengths[sample_bag[oi].as_ref().map_or(e, |m| m[e])];
+                    if l > 0 { 1.0 / l as f32 } else { 1.0 }
+                })
+                .collect();
             for (e, s) in scale.iter().enumerate() {
                 for x in &mut out[e * w + o.col..][..dim] {
                     *x *= s;
@@ -684,15 +732,16 @@ impl ShardedEbc {
             }
             mean_scale[oi] = scale;
         }
-        Ok((out, DistContext { times, local_kjt, batch_sizes, mean_scale, dp_kjt }))
+        Ok((
+            out,
+            DistContext { times, local_kjt, batch_sizes, mean_scale, dp_kjt, nbags, sample_bag, bags, off, stride },
+        ))
     }
 
     /// Backward fused with the optimizer, from the gradient of this rank's `[B, width]` output
     /// (the reverse of the output dist, then each shard's fused update over the global batch).
     /// Collective. Returns the whole step's phase times (the forward's and the backward's).
     pub fn backward_and_update(&mut self, ctx: DistContext, grad: &[f32]) -> Result<StepTimes, DistError> {
-        let mut times = ctx.times;
-        let clock = std::time::Instant::now();
         let (world, me) = (self.pg.world_size(), self.pg.rank());
         let b = ctx.batch_sizes[me];
         let w = self.width;
@@ -702,59 +751,71 @@ impl ShardedEbc {
                 grad.len()
             )));
         }
-        // One output's gradient rows for example `e`, times 1/ids for mean pooling.
-        let grad_of = |r: &Route, e: usize, into: &mut Vec<f32>| {
+        let mut times = ctx.times;
+        let clock = std::time::Instant::now();
+        // A route's gradient per bag here: the sum over the samples reading that bag (times
+        // 1/ids for mean pooling), `[bags, shard width]`.
+        let grad_of = |r: &Route, into: &mut Vec<f32>| {
             let shard = &self.shardings[r.table].shards[r.shard];
-            let g = &grad[e * w + self.outputs[r.output].col + shard.cols.start..][..shard.cols.len()];
-            match ctx.mean_scale[r.output].get(e) {
-                Some(&s) => into.extend(g.iter().map(|x| x * s)),
-                None => into.extend_from_slice(g),
+            let (c, n) = (self.outputs[r.output].col + shard.cols.start, shard.cols.len());
+            let start = into.len();
+            into.resize(start + ctx.nbags[r.output] * n, 0.0);
+            let dst = &mut into[start..];
+            for e in 0..b {
+                let bag = ctx.sample_bag[r.output].as_ref().map_or(e, |m| m[e]);
+                let scale = ctx.mean_scale[r.output].get(e).copied().unwrap_or(1.0);
+                for (x, g) in dst[bag * n..][..n].iter_mut().zip(&grad[e * w + c..][..n]) {
+                    *x += g * scale;
+                }
             }
         };
-        // All-to-all part: to each rank, this rank's examples' gradients of its outputs.
-        let mut send = Vec::with_capacity(b * self.a2a_width.iter().sum::<usize>());
+        let mut send = Vec::new();
         let mut send_counts = vec![0usize; world];
         for (d, count) in send_counts.iter_mut().enumerate() {
             let start = send.len();
-            for e in 0..b {
-                for &j in &self.a2a[d] {
-                    grad_of(&self.routes[d][j], e, &mut send);
-                }
+            for &j in &self.a2a[d] {
+                grad_of(&self.routes[d][j], &mut send);
             }
             *count = send.len() - start;
         }
-        let (lw, aw, rw) = (self.local_width[me], self.a2a_width[me], self.rs_width);
-        let total: usize = ctx.batch_sizes.iter().sum();
-        let recv_counts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * aw).collect();
+        let mine = &self.routes[me];
+        let lw = self.local_width[me];
+        let recv_counts: Vec<usize> =
+            (0..world).map(|s| self.a2a[me].iter().map(|&j| ctx.bags[j][s] * width_of(self, &mine[j])).sum()).collect();
         let recv = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
-        // Reduce-scatter part in reverse: every rank's gradients of the row-wise outputs.
-        let gathered = if rw > 0 {
-            let mut mine = Vec::with_capacity(b * rw);
-            for e in 0..b {
-                for &j in &self.rs {
-                    grad_of(&self.routes[me][j], e, &mut mine);
-                }
+        let gathered = if self.rs_width > 0 {
+            let mut local = Vec::new();
+            for &j in &self.rs {
+                grad_of(&mine[j], &mut local);
             }
-            let counts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * rw).collect();
-            self.pg.all_gather_v(&mine, &counts)?
+            let counts: Vec<usize> =
+                (0..world).map(|s| self.rs.iter().map(|&j| ctx.bags[j][s] * width_of(self, &mine[j])).sum()).collect();
+            self.pg.all_gather_v(&local, &counts)?
         } else {
             Vec::new()
         };
-        // The local gradient `[global batch, local width]` (sources in rank order: the local
-        // KJT's bag order).
-        let mut local_grad = vec![0f32; total * lw];
-        for (row, g) in local_grad.chunks_exact_mut(lw.max(1)).take(total).enumerate() {
-            let mut src = row * aw;
-            for &j in &self.a2a[me] {
-                let n = width_of(self, &self.routes[me][j]);
-                g[self.route_cols[me][j]..][..n].copy_from_slice(&recv[src..src + n]);
-                src += n;
+        // The local gradient `[stride, local width]`, in the local KJT's bag order.
+        let mut local_grad = vec![0f32; ctx.stride * lw];
+        let mut put = |j: usize, s: usize, block: &[f32]| {
+            let (c, n) = (self.route_cols[me][j], width_of(self, &mine[j]));
+            for (i, row) in (ctx.off[j][s]..ctx.off[j][s] + ctx.bags[j][s]).enumerate() {
+                local_grad[row * lw + c..][..n].copy_from_slice(&block[i * n..][..n]);
             }
-            let mut src = row * rw;
+        };
+        let mut at = 0;
+        for s in 0..world {
+            for &j in &self.a2a[me] {
+                let len = ctx.bags[j][s] * width_of(self, &mine[j]);
+                put(j, s, &recv[at..at + len]);
+                at += len;
+            }
+        }
+        let mut at = 0;
+        for s in 0..world {
             for &j in &self.rs {
-                let n = width_of(self, &self.routes[me][j]);
-                g[self.route_cols[me][j]..][..n].copy_from_slice(&gathered[src..src + n]);
-                src += n;
+                let len = ctx.bags[j][s] * width_of(self, &mine[j]);
+                put(j, s, &gathered[at..at + len]);
+                at += len;
             }
         }
         times.grad_dist = clock.elapsed().as_secs_f64();

@@ -35,7 +35,7 @@ fn a_rank_with_an_empty_batch_still_takes_part() {
     all.retain(|c| {
         c.name.starts_with("row_wise") || c.name.starts_with("table_wise") || c.name.starts_with("data_parallel")
     });
-    assert_eq!(all.len(), 6);
+    assert_eq!(all.len(), 9);
     run_all(2, all);
 }
 

@@ -408,11 +408,100 @@ impl KeyedJaggedTensor {
             .collect::<Result<Vec<_>, _>>()?;
         self.permute(&picked)
     }
+
+    /// The variable-batch form of this KJT (TorchRec's dedup before the input dist): per key,
+    /// its distinct bags (same ids and weights) in order of first appearance, and
+    /// `inverse_indices` mapping every sample to its bag. `expand_vbe` gives the KJT back.
+    pub fn dedup(&self) -> Result<Self, SparseError> {
+        if self.variable_stride_per_key() {
+            return Err(inconsistent(KJT, "dedup of a KJT that is already variable-batch"));
+        }
+        let (mut values, mut weights, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut strides, mut indices) = (Vec::with_capacity(self.keys.len()), Vec::with_capacity(self.keys.len()));
+        for k in 0..self.keys.len() {
+            let f = self.feature(k);
+            let mut seen: std::collections::HashMap<(&[i64], Vec<u32>), usize> = std::collections::HashMap::new();
+            let mut idx = Vec::with_capacity(self.stride);
+            for b in 0..f.num_bags() {
+                let w: Vec<u32> = f.bag_weights(b).map(|w| w.iter().map(|x| x.to_bits()).collect()).unwrap_or_default();
+                let next = seen.len();
+                let bag = *seen.entry((f.bag(b), w)).or_insert(next);
+                if bag == next {
+                    values.extend_from_slice(f.bag(b));
+                    if let Some(w) = f.bag_weights(b) {
+                        weights.extend_from_slice(w);
+                    }
+                    lengths.push(f.bag(b).len() as u32);
+                }
+                idx.push(bag);
+            }
+            strides.push(vec![seen.len()]);
+            indices.push(idx);
+        }
+        let inverse = InverseIndices { keys: self.keys.clone(), indices };
+        Self::new_vbe(
+            self.keys.clone(),
+            values,
+            self.weights.as_ref().map(|_| weights),
+            lengths,
+            strides,
+            Some(inverse),
+        )
+    }
+
+    /// The full-batch form of a variable-batch KJT with `inverse_indices`: sample `i` of key
+    /// `k` gets a copy of bag `inverse_indices[k][i]`. A KJT that is not variable-batch is
+    /// returned as is.
+    pub fn expand_vbe(&self) -> Result<Self, SparseError> {
+        if !self.variable_stride_per_key() {
+            return Ok(self.clone());
+        }
+        let inv = self
+            .inverse_indices
+            .as_ref()
+            .ok_or_else(|| inconsistent(KJT, "a variable-batch KJT needs inverse_indices to expand"))?;
+        let batch = inv.indices.first().map_or(0, Vec::len);
+        let (mut values, mut weights, mut lengths) =
+            (Vec::new(), Vec::new(), Vec::with_capacity(batch * self.keys.len()));
+        for (k, idx) in inv.indices.iter().enumerate() {
+            let f = self.feature(k);
+            for &bag in idx {
+                values.extend_from_slice(f.bag(bag));
+                if let Some(w) = f.bag_weights(bag) {
+                    weights.extend_from_slice(w);
+                }
+                lengths.push(f.bag(bag).len() as u32);
+            }
+        }
+        Self::new(self.keys.clone(), values, self.weights.as_ref().map(|_| weights), lengths, batch)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dedup_keeps_distinct_bags_and_expands_back() {
+        let k = KeyedJaggedTensor::new(
+            keys(&["a", "b"]),
+            vec![1, 2, 1, 2, 3, 7, 7, 7],
+            Some(vec![1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 2.0]),
+            // a: [1 2] [1 2] [3] [];  b: [7] [7] [] [7] (the last with another weight)
+            vec![2, 2, 1, 0, 1, 1, 0, 1],
+            4,
+        )
+        .unwrap();
+        let d = k.dedup().unwrap();
+        assert!(d.variable_stride_per_key());
+        assert_eq!(d.stride_per_key(), vec![3, 3]);
+        assert_eq!(d.inverse_indices().unwrap().indices, vec![vec![0, 0, 1, 2], vec![0, 0, 1, 2]]);
+        assert_eq!(d.values(), &[1, 2, 3, 7, 7]);
+        assert_eq!(d.expand_vbe().unwrap(), k);
+        assert!(d.dedup().is_err());
+        let plain = KeyedJaggedTensor::new(keys(&["a"]), vec![4], None, vec![1], 1).unwrap();
+        assert_eq!(plain.expand_vbe().unwrap(), plain);
+    }
 
     fn keys(k: &[&str]) -> Vec<String> {
         k.iter().map(|s| s.to_string()).collect()
