@@ -28,6 +28,9 @@ struct SlicesConfig {
     global_batch: usize,
     /// Training batches per epoch.
     batches: u64,
+    /// Send each rank's slice deduplicated (VBE).
+    #[serde(default)]
+    dedup: bool,
 }
 
 struct Slices {
@@ -70,6 +73,7 @@ impl Slices {
             }
         }
         let sparse = KeyedJaggedTensor::new(vec!["a".into(), "b".into()], values, None, lengths, len)?;
+        let sparse = if self.config.dedup { sparse.dedup()? } else { sparse };
         let labels = mine.iter().map(|e| e.2).collect();
         Ok(Batch { dense, num_dense: 3, sparse, labels, batch_size: len, groups: None })
     }
@@ -112,13 +116,13 @@ impl Sampler for Slices {
     }
 }
 
-fn recipe(dir: &Path, world: usize, sharding: &str) -> PathBuf {
+fn recipe(dir: &Path, world: usize, sharding: &str, dedup: bool) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
-    let path = dir.join(format!("w{world}-{sharding}.toml"));
+    let path = dir.join(format!("w{world}-{sharding}-{dedup}.toml"));
     let text = format!(
         r#"
 [run]
-name = "dist-{world}-{sharding}"
+name = "dist-{world}-{sharding}-{dedup}"
 seed = 5
 threads = 1
 output_dir = "{out}"
@@ -130,6 +134,7 @@ batch_size = 8
 kind = "global_slices"
 global_batch = 13
 batches = 5
+dedup = {dedup}
 
 [[tables]]
 name = "ta"
@@ -169,7 +174,7 @@ kind = "auc"
 [[metrics]]
 kind = "ne"
 "#,
-        out = dir.join(format!("run-{world}-{sharding}")).display()
+        out = dir.join(format!("run-{world}-{sharding}-{dedup}")).display()
     );
     std::fs::write(&path, text).unwrap();
     path
@@ -183,10 +188,10 @@ struct Trained {
     steps: u64,
 }
 
-fn train(world: usize, sharding: &str) -> Trained {
+fn train(world: usize, sharding: &str, dedup: bool) -> Trained {
     let registry = Registry::builtin().sampler::<Slices>();
     let dir = std::env::temp_dir().join(format!("trainrec-dist-{}", std::process::id()));
-    let path = recipe(&dir, world, sharding);
+    let path = recipe(&dir, world, sharding, dedup);
     let options = LoadOptions { overrides: vec![], env: false };
     let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     let finish = |mut job: Job| {
@@ -214,11 +219,12 @@ fn close(what: &str, a: &[f32], b: &[f32]) {
 #[test]
 fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
     for sharding in ["data_parallel", "row_wise", "table_wise", "column_wise"] {
-        let one = train(1, sharding);
+        let one = train(1, sharding, false);
         assert_eq!(one.steps, 10);
-        for world in [2, 3] {
-            let many = train(world, sharding);
-            let what = format!("{sharding} on {world} ranks");
+        // Deduplicated (VBE) batches train like the full ones, on one rank too.
+        for (world, dedup) in [(2, false), (3, false), (1, true), (2, true), (3, true)] {
+            let many = train(world, sharding, dedup);
+            let what = format!("{sharding} on {world} ranks (dedup {dedup})");
             assert_eq!(many.steps, one.steps, "{what}");
             assert!(
                 (many.loss.0 - one.loss.0).abs() < 1e-4 && (many.loss.1 - one.loss.1).abs() < 1e-4,

@@ -81,6 +81,11 @@ pub struct SyntheticConfig {
     /// key of grouped AUC, NDCG and session recall. Unset: batches carry no grouping key.
     #[serde(default)]
     pub session_size: Option<u64>,
+    /// Send each batch deduplicated (TorchRec's VBE): per feature only its distinct bags, with
+    /// `inverse_indices` mapping every example to its bag, so sharded embeddings move and pool
+    /// each distinct bag once. The model sees the full batch either way.
+    #[serde(default)]
+    pub dedup: bool,
     /// Names of the label columns, one per task of a multi-task job. The first follows the
     /// planted logit; each further label mixes it with its own planted per-id effects (so tasks
     /// are related but not equal) and is rarer.
@@ -411,6 +416,14 @@ impl SyntheticSampler {
             }
         }
         let groups = self.config.session_size.map(|s| (start..start + n as u64).map(|i| (i / s) as i64).collect());
+        let sparse = if self.config.dedup {
+            match sparse.dedup() {
+                Ok(d) => d,
+                Err(e) => return Some(Err(e.into())),
+            }
+        } else {
+            sparse
+        };
         Some(Ok(Batch { dense, num_dense: nd, sparse, labels, batch_size: n, groups }))
     }
 }
@@ -584,6 +597,24 @@ mod tests {
         assert_ne!(first(&a, Split::Train, 0), first(&a, Split::Train, 1));
         assert_eq!(first(&a, Split::Eval, 0), first(&a, Split::Eval, 5));
         assert_ne!(first(&a, Split::Eval, 0), first(&a, Split::Train, 0));
+    }
+
+    #[test]
+    fn dedup_sends_distinct_bags_that_expand_to_the_same_batch() {
+        let plain = SyntheticConfig { train_samples: 2000, ..serde_json_default() };
+        let dedup = SyntheticConfig { dedup: true, ..plain.clone() };
+        let feature_rows: std::collections::BTreeMap<String, u64> =
+            plain.sparse_features.iter().map(|f| (f.clone(), 30)).collect();
+        let ctx = SamplerContext { feature_rows, seed: 4, ..Default::default() };
+        let a = SyntheticSampler::build(plain, &ctx).unwrap();
+        let b = SyntheticSampler::build(dedup, &ctx).unwrap();
+        let (x, y) =
+            (a.batch(Split::Train, 0, 0, 512).unwrap().unwrap(), b.batch(Split::Train, 0, 0, 512).unwrap().unwrap());
+        assert!(y.sparse.variable_stride_per_key() && !x.sparse.variable_stride_per_key());
+        // 30 rows, one id per bag: at most 30 distinct bags per feature of 512.
+        assert!(y.sparse.stride_per_key().iter().all(|&n| n <= 30), "{:?}", y.sparse.stride_per_key());
+        assert_eq!(y.sparse.expand_vbe().unwrap(), x.sparse);
+        assert_eq!((y.dense, y.labels, y.batch_size), (x.dense, x.labels, x.batch_size));
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct DistBench {
     pub num_batches: usize,
     /// Seed of ids and gradients.
     pub seed: u64,
+    /// Send every batch deduplicated (VBE: distinct bags per feature and inverse indices).
+    pub dedup: bool,
 }
 
 impl Default for DistBench {
@@ -54,6 +56,7 @@ impl Default for DistBench {
             warmup: 3,
             num_batches: 4,
             seed: 0,
+            dedup: false,
         }
     }
 }
@@ -102,10 +105,17 @@ pub fn run_rank(b: &DistBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<Strin
         .map(|_| {
             let values: Vec<i64> = (0..n).map(|_| rng.random_range(0..b.rows as i64)).collect();
             let lengths = vec![b.ids_per_feature as u32; b.batch * b.tables];
-            KeyedJaggedTensor::new(keys.clone(), values, None, lengths, b.batch)
-                .map_err(|e| DistError::Module(e.to_string()))
+            let k = KeyedJaggedTensor::new(keys.clone(), values, None, lengths, b.batch);
+            let k = if b.dedup { k.and_then(|k| k.dedup()) } else { k };
+            k.map_err(|e| DistError::Module(e.to_string()))
         })
         .collect::<Result<_, _>>()?;
+    // Distinct bags sent per example (1 without dedup).
+    let bag_fraction = batches
+        .iter()
+        .map(|k| k.stride_per_key().iter().sum::<usize>() as f64 / (b.tables * b.batch).max(1) as f64)
+        .sum::<f64>()
+        / batches.len() as f64;
     let grad: Vec<f32> = (0..b.batch * ebc.width()).map(|_| rng.random_range(-0.01f32..0.01)).collect();
     let mut steps: Vec<(StepTimes, f64)> = Vec::with_capacity(b.steps);
     for i in 0..b.warmup + b.steps {
@@ -152,6 +162,7 @@ pub fn run_rank(b: &DistBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<Strin
         raw_output,
         last.input_bytes as f64,
         last.output_bytes as f64,
+        bag_fraction,
     ];
     pg.all_reduce_f64(&mut v, ReduceOp::Max)?;
     if me != 0 {
@@ -164,7 +175,8 @@ pub fn run_rank(b: &DistBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<Strin
             "world_size": world,
             "sharding": b.sharding.name(),
             "tables": b.tables, "rows": b.rows, "dim": b.dim, "batch_per_rank": b.batch,
-            "ids_per_feature": b.ids_per_feature, "steps": b.steps,
+            "ids_per_feature": b.ids_per_feature, "steps": b.steps, "dedup": b.dedup,
+            "distinct_bags_per_example": (v[10] * 1000.0).round() / 1000.0,
             "ms_per_step": {
                 "input_dist": ms(v[0]), "lookup": ms(v[1]), "output_dist": ms(v[2]),
                 "grad_dist": ms(v[3]), "update": ms(v[4]), "total": ms(v[5]),
@@ -202,7 +214,12 @@ mod tests {
 
     #[test]
     fn a_tiny_bench_reports_every_phase() {
-        for sharding in [ShardingType::TableWise, ShardingType::RowWise, ShardingType::ColumnWise] {
+        for (sharding, dedup) in [
+            (ShardingType::TableWise, false),
+            (ShardingType::RowWise, false),
+            (ShardingType::ColumnWise, false),
+            (ShardingType::RowWise, true),
+        ] {
             let b = DistBench {
                 tables: 3,
                 rows: 50,
@@ -211,6 +228,7 @@ mod tests {
                 steps: 2,
                 warmup: 1,
                 sharding,
+                dedup,
                 ..Default::default()
             };
             let v: serde_json::Value = serde_json::from_str(&run_threads(&b, 2).unwrap()).unwrap();
@@ -221,6 +239,9 @@ mod tests {
             }
             // Output dist bytes: every local pooled float, 16 examples x 2 ranks x the rank's width.
             assert!(v["bytes_sent_per_rank"]["output_dist"].as_u64().unwrap() > 0, "{v}");
+            // 16 ids from 50 rows: deduplicated, fewer distinct bags than examples.
+            let fraction = v["distinct_bags_per_example"].as_f64().unwrap();
+            assert!(if dedup { fraction < 1.0 } else { fraction == 1.0 }, "{v}");
         }
     }
 }

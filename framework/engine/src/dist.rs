@@ -35,15 +35,37 @@ pub(crate) enum SparseArch {
     Sharded(Box<ShardedEbc>),
 }
 
+/// `kjt` with one bag per example: a variable-batch (VBE) KJT expanded by its
+/// `inverse_indices`, any other borrowed as is.
+pub(crate) fn full_batch(kjt: &KeyedJaggedTensor) -> Result<std::borrow::Cow<'_, KeyedJaggedTensor>, EngineError> {
+    if kjt.variable_stride_per_key() {
+        Ok(std::borrow::Cow::Owned(kjt.expand_vbe().map_err(|e| EngineError::Data(e.into()))?))
+    } else {
+        Ok(std::borrow::Cow::Borrowed(kjt))
+    }
+}
+
+/// Examples in `kjt`'s batch (a VBE KJT's `inverse_indices` length).
+pub(crate) fn examples(kjt: &KeyedJaggedTensor) -> usize {
+    match kjt.inverse_indices() {
+        Some(inv) if kjt.variable_stride_per_key() => inv.indices.first().map_or(0, Vec::len),
+        _ => kjt.stride(),
+    }
+}
+
 impl SparseArch {
     /// Pooled embeddings `[batch, width]` of `kjt` as a tensor, and the sharded forward's
     /// context (collective when sharded).
     pub(crate) fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<(Tensor, Option<DistContext>), EngineError> {
         match self {
-            Self::Local(ebc) => Ok((crate::tensors::pooled_tensor(ebc, kjt)?, None)),
+            // One rank: a deduplicated batch is looked up expanded.
+            Self::Local(ebc) => {
+                let kjt = full_batch(kjt)?;
+                Ok((crate::tensors::pooled_tensor(ebc, &kjt)?, None))
+            }
             Self::Sharded(s) => {
                 let (out, ctx) = s.forward(kjt)?;
-                let t = Tensor::from_slice(&out).f_view([kjt.stride() as i64, s.width() as i64])?;
+                let t = Tensor::from_slice(&out).f_view([examples(kjt) as i64, s.width() as i64])?;
                 Ok((t, Some(ctx)))
             }
         }
@@ -58,7 +80,8 @@ impl SparseArch {
     ) -> Result<(), EngineError> {
         match (self, ctx) {
             (Self::Local(ebc), _) => {
-                crate::tensors::with_f32_slice(grad, |g| ebc.backward_and_update(kjt, g))?;
+                let kjt = full_batch(kjt)?;
+                crate::tensors::with_f32_slice(grad, |g| ebc.backward_and_update(&kjt, g))?;
             }
             (Self::Sharded(s), Some(ctx)) => {
                 let times = crate::tensors::with_f32_slice(grad, |g| s.backward_and_update(ctx, g))?;

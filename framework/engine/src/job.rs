@@ -103,10 +103,11 @@ impl RecallAtK {
         labels: &Tensor,
         batch: &Batch,
     ) -> Result<(), EngineError> {
-        let Some(k) = batch.sparse.key_index(&self.input) else {
+        let sparse_ids = crate::dist::full_batch(&batch.sparse)?;
+        let Some(k) = sparse_ids.key_index(&self.input) else {
             return Err(EngineError::Internal(format!("eval batch lacks feature {}", self.input)));
         };
-        let f = batch.sparse.feature(k);
+        let f = sparse_ids.feature(k);
         let y: Vec<f32> = Vec::try_from(labels.select(1, 0).contiguous())
             .map_err(|e| EngineError::Internal(format!("labels: {e}")))?;
         // Positive pairs whose candidate is one id.
@@ -317,7 +318,7 @@ impl Job {
         let b = batch.batch_size as i64;
         if batch.dense.len() != batch.batch_size * self.num_dense
             || batch.labels.len() != batch.batch_size * self.num_labels
-            || batch.sparse.stride() != batch.batch_size
+            || crate::dist::examples(&batch.sparse) != batch.batch_size
         {
             return Err(EngineError::Data(trainrec_data::DataError::Config {
                 key: String::new(),
@@ -328,7 +329,7 @@ impl Job {
                     self.num_dense,
                     batch.labels.len(),
                     self.num_labels,
-                    batch.sparse.stride()
+                    crate::dist::examples(&batch.sparse)
                 ),
             }));
         }
@@ -362,7 +363,8 @@ impl Job {
     ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
         let (dense, sparse, labels, ctx) = self.tensors(batch)?;
         let sparse = sparse.set_requires_grad(true);
-        let input = LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &batch.sparse };
+        let ids = crate::dist::full_batch(&batch.sparse)?;
+        let input = LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &ids };
         let (loss, logits) = match self.model.loss(&input) {
             // The model's own objective; predictions (for training metrics) are its scores.
             Some(loss) => {

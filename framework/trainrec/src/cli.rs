@@ -204,6 +204,9 @@ pub struct DistArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
+    /// Send every batch deduplicated (VBE): distinct bags per feature and inverse indices.
+    #[arg(long)]
+    pub dedup: bool,
 }
 
 /// Device of `bench plan`.
@@ -668,6 +671,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 },
                 steps: a.steps,
                 warmup: a.warmup,
+                dedup: a.dedup,
                 ..Default::default()
             };
             bench_dist(&b, a.world_size)
