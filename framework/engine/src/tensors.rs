@@ -38,7 +38,8 @@ pub fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> R {
 /// Makes glibc's allocator keep freed memory: allocations up to 32 MiB come from the heap
 /// (not a fresh `mmap` each time) and the heap is never trimmed, so a training step's large
 /// tensors (activations, the pooled embeddings and their gradient, ~14 MB each for a
-/// Criteo-sized DLRM) reuse pages already mapped instead of faulting in zeroed ones every step.
+/// Criteo-sized DLRM) reuse pages already mapped instead of faulting in zeroed ones every step;
+/// all threads share one arena.
 /// Process-wide; returns whether glibc accepted both settings (always false off glibc).
 pub fn tune_allocator() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -48,8 +49,16 @@ pub fn tune_allocator() -> bool {
         }
         const M_TRIM_THRESHOLD: i32 = -1;
         const M_MMAP_THRESHOLD: i32 = -3;
+        const M_ARENA_MAX: i32 = -8;
         // SAFETY: mallopt only changes allocator parameters; any value is accepted or refused.
-        unsafe { mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, i32::MAX) == 1 }
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1
+                && mallopt(M_TRIM_THRESHOLD, i32::MAX) == 1
+                // One arena: a buffer one rank thread allocates and another frees (the thread
+                // backend's messages) returns to a heap that is never trimmed, instead of a
+                // per-thread heap that shrinks (page faults and TLB shootdowns every step).
+                && mallopt(M_ARENA_MAX, 1) == 1
+        }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {
