@@ -31,6 +31,9 @@ struct SlicesConfig {
     /// Send each rank's slice deduplicated (VBE).
     #[serde(default)]
     dedup: bool,
+    /// `[rank, batch]`: that rank's sampler fails on that training batch (a rank that dies).
+    #[serde(default)]
+    fail_at: Option<[u64; 2]>,
 }
 
 struct Slices {
@@ -59,6 +62,12 @@ impl Slices {
     }
 
     fn slice(&self, split: Split, index: u64) -> Result<Batch, DataError> {
+        if split == Split::Train && self.config.fail_at == Some([self.rank as u64, index]) {
+            return Err(DataError::Config {
+                key: "fail_at".into(),
+                message: format!("rank {} fails on purpose", self.rank),
+            });
+        }
         let all = self.global(split, index);
         let (g, w) = (all.len(), self.world);
         let start = self.rank * (g / w) + self.rank.min(g % w);
@@ -272,4 +281,18 @@ fn the_shipped_two_rank_recipe_learns_the_planted_signal() {
     }
     let plan = std::fs::read_to_string(out.join("plan.json")).unwrap();
     assert!(plan.contains("\"world_size\": 2"), "{plan}");
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_with_its_own_error() {
+    let registry = Registry::builtin().sampler::<Slices>();
+    let dir = std::env::temp_dir().join(format!("trainrec-dist-fail-{}", std::process::id()));
+    let path = recipe(&dir, 3, "row_wise", false);
+    let options = LoadOptions { overrides: vec!["data.sampler.fail_at=[1, 2]".into()], env: false };
+    let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+    let start = std::time::Instant::now();
+    let err = trainrec::engine::dist::run_threads(&loaded, &features, &registry).err().expect("the job fails");
+    // The failing rank's own error, not its peers' "rank 1 left the group", and no hang.
+    assert!(err.to_string().contains("rank 1 fails on purpose"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
 }
