@@ -291,7 +291,9 @@ fn a_failing_rank_stops_the_others_with_its_own_error() {
     let options = LoadOptions { overrides: vec!["data.sampler.fail_at=[1, 2]".into()], env: false };
     let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     let start = std::time::Instant::now();
-    let err = trainrec::engine::dist::run_threads(&loaded, &features, &registry).err().expect("the job fails");
+    let Err(err) = trainrec::engine::dist::run_threads(&loaded, &features, &registry) else {
+        panic!("the job should fail");
+    };
     // The failing rank's own error, not its peers' "rank 1 left the group", and no hang.
     assert!(err.to_string().contains("rank 1 fails on purpose"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
