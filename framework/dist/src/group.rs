@@ -221,6 +221,13 @@ pub trait ProcessGroupExt: ProcessGroup {
     fn all_gather_u64(&self, value: u64) -> Result<Vec<u64>, DistError> {
         self.all_gather_v(&[value], &vec![1; self.world_size()])
     }
+
+    /// [`Self::all_gather_v`] when the ranks do not know each other's counts: one all-gather of
+    /// the counts first.
+    fn all_gather_sized<T: Pod>(&self, local: &[T]) -> Result<Vec<T>, DistError> {
+        let counts: Vec<usize> = self.all_gather_u64(local.len() as u64)?.iter().map(|&n| n as usize).collect();
+        self.all_gather_v(local, &counts)
+    }
 }
 
 impl<P: ProcessGroup + ?Sized> ProcessGroupExt for P {}

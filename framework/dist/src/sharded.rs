@@ -576,37 +576,11 @@ impl ShardedEbc {
         // The local KJT: per route, the sources' bags in rank order, padded with empty bags to
         // one stride (routes of VBE keys have fewer).
         let stride = bags.iter().map(|bs| bs.iter().sum::<usize>()).max().unwrap_or(0);
-        let local_kjt = if let Some(local) = &self.local {
-            let (mut lens, mut vals, mut ws) = (Vec::new(), Vec::new(), Vec::new());
-            let mut len_at = vec![0usize; world];
-            let mut val_at = vec![0usize; world];
-            let (mut la, mut va) = (0, 0);
-            for s in 0..world {
-                len_at[s] = la;
-                val_at[s] = va;
-                la += recv_lens[s];
-                va += recv_vals[s];
+        let local_kjt = match &self.local {
+            Some(local) => {
+                Some(merge_by_source(local.output_keys(), &bags, &lengths, &values, weights.as_deref(), stride)?)
             }
-            for bs in &bags {
-                for s in 0..world {
-                    let l = &lengths[len_at[s]..len_at[s] + bs[s]];
-                    let n: usize = l.iter().map(|&x| x as usize).sum();
-                    lens.extend_from_slice(l);
-                    vals.extend_from_slice(&values[val_at[s]..val_at[s] + n]);
-                    if let Some(w) = &weights {
-                        ws.extend_from_slice(&w[val_at[s]..val_at[s] + n]);
-                    }
-                    len_at[s] += bs[s];
-                    val_at[s] += n;
-                }
-                lens.extend(std::iter::repeat_n(0, stride - bs.iter().sum::<usize>()));
-            }
-            Some(
-                KeyedJaggedTensor::new(local.output_keys(), vals, weighted.then_some(ws), lens, stride)
-                    .map_err(module)?,
-            )
-        } else {
-            None
+            None => None,
         };
         times.input_dist = start.elapsed().as_secs_f64();
         times.input_bytes = 8 * splits.len()
@@ -848,7 +822,9 @@ impl ShardedEbc {
                 None => None,
             };
             let grads = self.pg.all_gather_v(&g, &gcounts)?;
-            let global = concat_by_rank(k.keys(), &ctx.batch_sizes, &lengths, &values, weights.as_deref())?;
+            let total: usize = ctx.batch_sizes.iter().sum();
+            let per_key = vec![ctx.batch_sizes.clone(); k.keys().len()];
+            let global = merge_by_source(k.keys().to_vec(), &per_key, &lengths, &values, weights.as_deref(), total)?;
             times.grad_dist += clock.elapsed().as_secs_f64();
             let clock = std::time::Instant::now();
             dp.backward_and_update(&global, &grads).map_err(module)?;
@@ -934,44 +910,43 @@ fn first_output(outputs: &[Output], table: usize) -> usize {
     outputs.iter().position(|o| o.table == table).unwrap_or(0)
 }
 
-/// The KJT of the global batch from every rank's part (all keys of one rank, then the next):
-/// per key, the ranks' bags in rank order.
-fn concat_by_rank(
-    keys: &[String],
-    batch_sizes: &[usize],
+/// One KJT from every source's part, sources in rank order. Source `s`'s part is its bag
+/// lengths (key-major: `bags[k][s]` bags of key `k`) and the ids (and weights) those lengths
+/// cover, the parts concatenated. Key `k` gets every source's bags in rank order, padded with
+/// empty bags to `stride`.
+fn merge_by_source(
+    keys: Vec<String>,
+    bags: &[Vec<usize>],
     lengths: &[u32],
     values: &[i64],
     weights: Option<&[f32]>,
+    stride: usize,
 ) -> Result<KeyedJaggedTensor, DistError> {
-    let nkeys = keys.len();
-    let total: usize = batch_sizes.iter().sum();
-    // Per rank: where its lengths and values start, and each key's value offset within it.
-    let mut per_rank = Vec::with_capacity(batch_sizes.len());
-    let (mut la, mut va) = (0usize, 0usize);
-    for &bs in batch_sizes {
-        let lens = &lengths[la..la + bs * nkeys];
-        let mut key_at = Vec::with_capacity(nkeys);
-        let mut v = va;
-        for k in 0..nkeys {
-            key_at.push(v);
-            v += lens[k * bs..(k + 1) * bs].iter().map(|&x| x as usize).sum::<usize>();
-        }
-        per_rank.push((la, key_at));
-        la += bs * nkeys;
-        va = v;
+    let world = bags.first().map_or(0, Vec::len);
+    // Where each source's lengths and ids start.
+    let (mut len_at, mut val_at) = (vec![0usize; world], vec![0usize; world]);
+    let (mut la, mut va) = (0, 0);
+    for s in 0..world {
+        len_at[s] = la;
+        val_at[s] = va;
+        let n: usize = bags.iter().map(|bs| bs[s]).sum();
+        va += lengths[la..la + n].iter().map(|&x| x as usize).sum::<usize>();
+        la += n;
     }
     let (mut lens, mut vals, mut ws) = (Vec::new(), Vec::new(), Vec::new());
-    for k in 0..nkeys {
-        for (r, &bs) in batch_sizes.iter().enumerate() {
-            let (l0, key_at) = &per_rank[r];
-            let l = &lengths[l0 + k * bs..][..bs];
+    for bs in bags {
+        for s in 0..world {
+            let l = &lengths[len_at[s]..len_at[s] + bs[s]];
             let n: usize = l.iter().map(|&x| x as usize).sum();
             lens.extend_from_slice(l);
-            vals.extend_from_slice(&values[key_at[k]..key_at[k] + n]);
+            vals.extend_from_slice(&values[val_at[s]..val_at[s] + n]);
             if let Some(w) = weights {
-                ws.extend_from_slice(&w[key_at[k]..key_at[k] + n]);
+                ws.extend_from_slice(&w[val_at[s]..val_at[s] + n]);
             }
+            len_at[s] += bs[s];
+            val_at[s] += n;
         }
+        lens.extend(std::iter::repeat_n(0, stride - bs.iter().sum::<usize>()));
     }
-    KeyedJaggedTensor::new(keys.to_vec(), vals, weights.map(|_| ws), lens, total).map_err(module)
+    KeyedJaggedTensor::new(keys, vals, weights.map(|_| ws), lens, stride).map_err(module)
 }

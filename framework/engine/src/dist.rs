@@ -204,15 +204,8 @@ impl DenseSync {
     }
 
     /// Every rank's `values` concatenated in rank order.
-    pub(crate) fn gather_f32(&self, values: &[f32]) -> Result<Vec<f32>, EngineError> {
-        let counts: Vec<usize> = self.pg.all_gather_u64(values.len() as u64)?.iter().map(|&n| n as usize).collect();
-        Ok(self.pg.all_gather_v(values, &counts)?)
-    }
-
-    /// Every rank's `values` concatenated in rank order.
-    pub(crate) fn gather_i64(&self, values: &[i64]) -> Result<Vec<i64>, EngineError> {
-        let counts: Vec<usize> = self.pg.all_gather_u64(values.len() as u64)?.iter().map(|&n| n as usize).collect();
-        Ok(self.pg.all_gather_v(values, &counts)?)
+    pub(crate) fn gather<T: bytemuck::Pod>(&self, values: &[T]) -> Result<Vec<T>, EngineError> {
+        Ok(self.pg.all_gather_sized(values)?)
     }
 }
 
@@ -242,23 +235,22 @@ pub fn run_threads(
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
         Job::build_rank(loaded, features, registry, Some(pg)).and_then(|mut job| job.run())
     });
+    // The first rank's own error: a peer's "left the group" is only a consequence of it.
     let mut first_err: Option<EngineError> = None;
     let mut summary = None;
     for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(Ok(s)) if rank == 0 => summary = Some(s),
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                let secondary = matches!(&e, EngineError::Dist(trainrec_dist::DistError::PeerGone { .. }));
-                if first_err.is_none() || (!secondary && first_err.as_ref().is_some_and(is_peer_gone)) {
-                    first_err = Some(e);
+        let e = match r {
+            Ok(Ok(s)) => {
+                if rank == 0 {
+                    summary = Some(s);
                 }
+                continue;
             }
-            Err(panic) => {
-                if first_err.as_ref().is_none_or(is_peer_gone) {
-                    first_err = Some(EngineError::Internal(format!("rank {rank} panicked: {panic}")));
-                }
-            }
+            Ok(Err(e)) => e,
+            Err(panic) => EngineError::Internal(format!("rank {rank} panicked: {panic}")),
+        };
+        if first_err.as_ref().is_none_or(|f| is_peer_gone(f) && !is_peer_gone(&e)) {
+            first_err = Some(e);
         }
     }
     match (first_err, summary) {

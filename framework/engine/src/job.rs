@@ -575,10 +575,10 @@ impl Job {
             self.feed(suites, probs, batch)?;
             return Ok(batch.batch_size);
         };
-        let probs = sync.gather_f32(probs)?;
-        let labels = sync.gather_f32(&batch.labels)?;
+        let probs = sync.gather(probs)?;
+        let labels = sync.gather(&batch.labels)?;
         // Every rank gathers (a rank past its split's end has no groups).
-        let groups = sync.gather_i64(batch.groups.as_deref().unwrap_or_default())?;
+        let groups = sync.gather(batch.groups.as_deref().unwrap_or_default())?;
         let n = labels.len() / self.num_labels.max(1);
         let groups = (n > 0 && groups.len() == n).then_some(groups);
         self.feed_parts(suites, &probs, &labels, groups.as_deref(), n)?;
