@@ -1,7 +1,7 @@
 //! Equivalence checks any [`ProcessGroup`] backend runs: for every sharding type, K training
-//! steps of the [`ShardedEbc`], each rank with its own (uneven) part of the batch, must equal
-//! the unsharded collection trained on the global batch: the same pooled outputs every step
-//! and the same weights after (fp32, within 1e-5). The thread backend runs them in `cargo
+//! steps of the [`ShardedEbc`] (and of the [`ShardedEc`]), each rank with its own (uneven)
+//! part of the batch, must equal the unsharded collection trained on the global batch: the
+//! same pooled (per-id) outputs every step and the same weights after (fp32, within 1e-5). The thread backend runs them in `cargo
 //! test`; the MPI backend runs them under `mpirun` (`trainrec-dist-mpi-check`).
 //!
 //! Every rank computes the unsharded reference itself (the inputs are deterministic), so a
@@ -11,11 +11,13 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig};
+use trainrec_embedding::{
+    EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, PoolingMode, SparseOptimizerConfig,
+};
 use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{ProcessGroup, ShardSpec, ShardedEbc, TableSharding};
+use crate::{ProcessGroup, ShardSpec, ShardedEbc, ShardedEc, TableSharding};
 
 /// Training steps per case.
 pub const STEPS: usize = 3;
@@ -111,10 +113,15 @@ pub struct Case {
     /// Whether each rank sends its batch deduplicated (VBE: distinct bags per key and
     /// `inverse_indices`); the result must equal the full batch's.
     pub vbe: bool,
+    /// Whether it checks the unpooled [`ShardedEc`] instead of the [`ShardedEbc`].
+    pub sequence: bool,
 }
 
 /// Runs `case` on this rank of `pg` (every rank must run the same cases in the same order).
 pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
+    if case.sequence {
+        return run_sequence_case(pg, case);
+    }
     let (name, sizes) = (&case.name, &case.sizes);
     if sizes.len() != pg.world_size() {
         return Err(format!("{name}: {} batch sizes for world size {}", sizes.len(), pg.world_size()));
@@ -165,6 +172,81 @@ pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
     Ok(())
 }
 
+/// Ids of key `k` in examples `range`: (first id, count).
+fn id_range(b: &Batch, k: usize, range: std::ops::Range<usize>) -> (usize, usize) {
+    let len = |e: &Vec<i64>| e.len();
+    (b.ids[k][..range.start].iter().map(len).sum(), b.ids[k][range].iter().map(len).sum())
+}
+
+/// The gradient of sequence output `o` at step `step` for ids `ids` (first, count) of the
+/// global batch: a fixed random part plus half the output.
+fn sequence_grad(step: usize, o: usize, ids: (usize, usize), dim: usize, total_ids: usize, out: &[f32]) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(2000 + 10 * step as u64 + o as u64);
+    let g: Vec<f32> = (0..total_ids * dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    g[ids.0 * dim..(ids.0 + ids.1) * dim].iter().zip(out).map(|(a, b)| a + 0.5 * b).collect()
+}
+
+/// [`run_case`] for the [`ShardedEc`]: per-id outputs, output `o` reading key `o`.
+fn run_sequence_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
+    let (name, sizes) = (&case.name, &case.sizes);
+    if sizes.len() != pg.world_size() {
+        return Err(format!("{name}: {} batch sizes for world size {}", sizes.len(), pg.world_size()));
+    }
+    let total: usize = sizes.iter().sum();
+    let mut rng = StdRng::seed_from_u64(7);
+    let batches: Vec<Batch> = (0..STEPS).map(|_| batch(&mut rng, total, case.weighted)).collect();
+    let e = |e: trainrec_embedding::EmbeddingError| format!("{name}: unsharded: {e}");
+    let mut reference = EmbeddingCollection::new(tables(), case.optimizer.clone(), 3).map_err(e)?;
+    let initial: Vec<Vec<f32>> =
+        tables().iter().map(|t| reference.table_weights(&t.name).unwrap_or_default()).collect();
+    let dims: Vec<usize> = tables().iter().flat_map(|t| t.features.iter().map(move |_| t.dim)).collect();
+    let mut outs = Vec::new();
+    for (step, b) in batches.iter().enumerate() {
+        let k = kjt(b, 0..total);
+        let out = reference.forward(&k).map_err(e)?.values;
+        let grads: Vec<Vec<f32>> = (0..out.len())
+            .map(|o| {
+                let all = id_range(b, o, 0..total);
+                sequence_grad(step, o, all, dims[o], all.1, &out[o])
+            })
+            .collect();
+        reference.backward_and_update(&k, &grads).map_err(e)?;
+        outs.push(out);
+    }
+
+    let r = pg.rank();
+    let start: usize = sizes[..r].iter().sum();
+    let mine = start..start + sizes[r];
+    let d = |e: crate::DistError| format!("{name}: rank {r}: {e}");
+    let mut ec = ShardedEc::new(tables(), case.shardings.clone(), case.optimizer.clone(), 99, pg).map_err(d)?;
+    if ec.output_keys() != KEYS {
+        return Err(format!("{name}: outputs {:?}", ec.output_keys()));
+    }
+    for (t, w) in tables().iter().zip(&initial) {
+        ec.set_table_weights(&t.name, w).map_err(d)?;
+    }
+    for (step, b) in batches.iter().enumerate() {
+        let local = kjt(b, mine.clone());
+        let local = if case.vbe { local.dedup().map_err(|e| format!("{name}: dedup: {e}"))? } else { local };
+        let (out, ctx) = ec.forward(&local).map_err(d)?;
+        let mut grads = Vec::new();
+        for (o, got) in out.values.iter().enumerate() {
+            let (first, n) = id_range(b, o, mine.clone());
+            let want = &outs[step][o][first * dims[o]..(first + n) * dims[o]];
+            close(&format!("{name}: rank {r} step {step} output {}", KEYS[o]), got, want)?;
+            let total_ids = id_range(b, o, 0..total).1;
+            grads.push(sequence_grad(step, o, (first, n), dims[o], total_ids, got));
+        }
+        ec.backward_and_update(ctx, &grads).map_err(d)?;
+    }
+    for t in tables() {
+        let got = ec.table_weights(&t.name).map_err(d)?;
+        let want = reference.table_weights(&t.name).unwrap_or_default();
+        close(&format!("{name}: rank {r} table {} after {STEPS} steps", t.name), &got, &want)?;
+    }
+    Ok(())
+}
+
 fn rowwise() -> SparseOptimizerConfig {
     SparseOptimizerConfig::RowwiseAdagrad {
         lr: 0.1,
@@ -193,7 +275,8 @@ fn grid(rows: u64, dim: usize, ranks: &[usize]) -> TableSharding {
 
 /// Every sharding type (and a mix) on `sizes.len()` ranks (at least 2), each with its usual
 /// optimizer, with SGD ((row-wise) Adagrad is blind to a gradient's scale; SGD is not), and
-/// with SGD on deduplicated (VBE) batches.
+/// with SGD on deduplicated (VBE) batches; each for the pooled [`ShardedEbc`] and the
+/// unpooled [`ShardedEc`] (48 cases).
 pub fn cases(sizes: &[usize], weighted: bool) -> Vec<Case> {
     let w = sizes.len();
     let all: Vec<usize> = (0..w).collect();
@@ -234,15 +317,21 @@ pub fn cases(sizes: &[usize], weighted: bool) -> Vec<Case> {
     let mut out = Vec::new();
     for (name, shardings, opt) in types {
         let sgd = SparseOptimizerConfig::Sgd { lr: 0.05 };
-        for (variant, optimizer, vbe) in [("", opt, false), (", sgd", sgd.clone(), false), (", sgd, vbe", sgd, true)] {
-            out.push(Case {
-                name: format!("{name} (world {w}, weighted {weighted}{variant})"),
-                shardings: shardings.clone(),
-                optimizer,
-                sizes: sizes.to_vec(),
-                weighted,
-                vbe,
-            });
+        for sequence in [false, true] {
+            let module = if sequence { "ec " } else { "" };
+            for (variant, optimizer, vbe) in
+                [("", opt.clone(), false), (", sgd", sgd.clone(), false), (", sgd, vbe", sgd.clone(), true)]
+            {
+                out.push(Case {
+                    name: format!("{module}{name} (world {w}, weighted {weighted}{variant})"),
+                    shardings: shardings.clone(),
+                    optimizer,
+                    sizes: sizes.to_vec(),
+                    weighted,
+                    vbe,
+                    sequence,
+                });
+            }
         }
     }
     out

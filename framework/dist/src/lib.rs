@@ -2,7 +2,8 @@
 //! in-process [`ThreadGroup`] backend, and the [`ShardedEbc`]: an embedding bag collection whose
 //! tables are split over the ranks of a group by a sharding plan, with its input dist (ids to
 //! the ranks holding their rows) and output dist (pooled embeddings back to the ranks that own
-//! the examples).
+//! the examples), and its unpooled counterpart the [`ShardedEc`] (one embedding per id, for
+//! sequence models).
 
 pub mod bench;
 pub mod conformance;
@@ -10,10 +11,12 @@ pub mod group;
 #[cfg(feature = "mpi")]
 pub mod mpi_group;
 pub mod sharded;
+pub mod sharded_ec;
 pub mod thread;
 
 pub use group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp};
 #[cfg(feature = "mpi")]
 pub use mpi_group::MpiGroup;
 pub use sharded::{DistContext, ShardSpec, ShardedEbc, StepTimes, TableSharding};
+pub use sharded_ec::{EcContext, ShardedEc};
 pub use thread::ThreadGroup;

@@ -169,21 +169,21 @@ impl TableSharding {
 /// One pooled output of the collection (one per feature of each table, table order then
 /// feature order, as the unsharded collection).
 #[derive(Clone, Debug)]
-struct Output {
-    table: usize,
+pub(crate) struct Output {
+    pub(crate) table: usize,
     /// The input feature it reads (`x` for an output named `x@table`).
-    input: String,
+    pub(crate) input: String,
     /// First column in the `[batch, width]` output.
-    col: usize,
-    mean: bool,
+    pub(crate) col: usize,
+    pub(crate) mean: bool,
 }
 
 /// One output's ids sent to one shard.
 #[derive(Clone, Copy, Debug)]
-struct Route {
-    output: usize,
-    table: usize,
-    shard: usize,
+pub(crate) struct Route {
+    pub(crate) output: usize,
+    pub(crate) table: usize,
+    pub(crate) shard: usize,
 }
 
 /// Where a step's time went on this rank (seconds) and the bytes this rank sent, per phase.
@@ -271,29 +271,29 @@ pub struct ShardedEbc {
     dp_outputs: Vec<usize>,
 }
 
-fn module<E: std::fmt::Display>(e: E) -> DistError {
-    DistError::Module(e.to_string())
+/// What every sharded collection derives from its tables and shardings on one rank.
+pub(crate) struct Layout {
+    /// One per feature of each table, table order then feature order.
+    pub(crate) outputs: Vec<Output>,
+    /// Columns of the pooled `[batch, width]` output.
+    pub(crate) width: usize,
+    /// `routes[d]`: what rank `d` looks up, in its local collection's output order.
+    pub(crate) routes: Vec<Vec<Route>>,
+    /// This rank's shards, one local table each, its features named `<feature>/shard<i>`.
+    pub(crate) local_tables: Vec<EmbeddingBagConfig>,
+    /// Local table name of each (table, shard) held here.
+    pub(crate) local_names: Vec<Vec<Option<String>>>,
+    /// (local table, table, shard) of each local table.
+    pub(crate) init: Vec<(String, usize, usize)>,
+    /// The data-parallel tables (replicated on every rank).
+    pub(crate) dp_tables: Vec<EmbeddingBagConfig>,
+    /// The outputs of data-parallel tables.
+    pub(crate) dp_outputs: Vec<usize>,
 }
 
-impl ShardedEbc {
-    /// Builds this rank's part of the collection: its shards of every table and the replicas
-    /// of data-parallel tables, with the initial weights of the unsharded collection built
-    /// with `seed`. Every rank must pass the same
-    /// tables and shardings.
-    pub fn new(
-        tables: Vec<EmbeddingBagConfig>,
-        shardings: Vec<TableSharding>,
-        optimizer: SparseOptimizerConfig,
-        seed: u64,
-        pg: Arc<dyn ProcessGroup>,
-    ) -> Result<Self, DistError> {
-        if tables.len() != shardings.len() {
-            return Err(DistError::Module(format!("{} tables but {} shardings", tables.len(), shardings.len())));
-        }
-        let (world, me) = (pg.world_size(), pg.rank());
-        for (t, s) in tables.iter().zip(&shardings) {
-            s.check(&t.name, t.rows, t.dim, world)?;
-        }
+impl Layout {
+    /// The layout on rank `me` (the shardings already checked).
+    pub(crate) fn new(tables: &[EmbeddingBagConfig], shardings: &[TableSharding], world: usize, me: usize) -> Self {
         let mut outputs = Vec::new();
         let mut col = 0;
         for (ti, t) in tables.iter().enumerate() {
@@ -314,6 +314,212 @@ impl ShardedEbc {
                 }
             }
         }
+        let mut local_tables = Vec::new();
+        let mut local_names = vec![Vec::new(); tables.len()];
+        let mut init = Vec::new();
+        for (ti, (t, s)) in tables.iter().zip(shardings).enumerate() {
+            local_names[ti] = vec![None; s.shards.len()];
+            if s.sharding_type == ShardingType::DataParallel {
+                continue;
+            }
+            for (si, shard) in s.shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
+                let name = format!("{}/shard{si}", t.name);
+                let mut c = t.clone();
+                c.name = name.clone();
+                c.rows = shard.rows.end - shard.rows.start;
+                c.dim = shard.cols.len();
+                c.pooling = PoolingMode::Sum;
+                c.features = t.features.iter().map(|f| format!("{f}/shard{si}")).collect();
+                local_tables.push(c);
+                init.push((name.clone(), ti, si));
+                local_names[ti][si] = Some(name);
+            }
+        }
+        let dp_tables = tables
+            .iter()
+            .zip(shardings)
+            .filter(|(_, s)| s.sharding_type == ShardingType::DataParallel)
+            .map(|(t, _)| t.clone())
+            .collect();
+        let dp_outputs = (0..outputs.len())
+            .filter(|&o| shardings[outputs[o].table].sharding_type == ShardingType::DataParallel)
+            .collect();
+        Self { outputs, width: col, routes, local_tables, local_names, init, dp_tables, dp_outputs }
+    }
+
+    /// The local collection's output keys the routes of rank `me` expect.
+    pub(crate) fn expected_local_keys(&self, tables: &[EmbeddingBagConfig], me: usize) -> Vec<String> {
+        self.routes[me]
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}/shard{}",
+                    tables[r.table].features[r.output - first_output(&self.outputs, r.table)],
+                    r.shard
+                )
+            })
+            .collect()
+    }
+}
+
+/// Checks the tables against their shardings and the world.
+pub(crate) fn check_shardings(
+    tables: &[EmbeddingBagConfig],
+    shardings: &[TableSharding],
+    world: usize,
+) -> Result<(), DistError> {
+    if tables.len() != shardings.len() {
+        return Err(DistError::Module(format!("{} tables but {} shardings", tables.len(), shardings.len())));
+    }
+    for (t, s) in tables.iter().zip(shardings) {
+        s.check(&t.name, t.rows, t.dim, world)?;
+    }
+    Ok(())
+}
+
+/// The unsharded collection's initial weights of each local shard (`init` of a [`Layout`]).
+pub(crate) fn initial_shard_weights(
+    tables: &[EmbeddingBagConfig],
+    shardings: &[TableSharding],
+    init: &[(String, usize, usize)],
+    seed: u64,
+) -> Vec<(String, Vec<f32>)> {
+    init.iter()
+        .map(|(name, ti, si)| {
+            let (t, sh) = (&tables[*ti], &shardings[*ti].shards[*si]);
+            (name.clone(), initial_weights(seed, *ti, t.rows, t.dim, sh.rows.clone(), sh.cols.clone()))
+        })
+        .collect()
+}
+
+/// The unsharded collection's initial weights of each data-parallel table.
+pub(crate) fn initial_replica_weights(
+    tables: &[EmbeddingBagConfig],
+    shardings: &[TableSharding],
+    seed: u64,
+) -> Vec<(String, Vec<f32>)> {
+    tables
+        .iter()
+        .enumerate()
+        .filter(|(ti, _)| shardings[*ti].sharding_type == ShardingType::DataParallel)
+        .map(|(ti, t)| (t.name.clone(), initial_weights(seed, ti, t.rows, t.dim, 0..t.rows, 0..t.dim)))
+        .collect()
+}
+
+/// The index in `kjt` of each output's input feature, after checking every id is inside its
+/// table.
+pub(crate) fn resolve_inputs(
+    kjt: &KeyedJaggedTensor,
+    outputs: &[Output],
+    tables: &[EmbeddingBagConfig],
+) -> Result<Vec<usize>, DistError> {
+    let keys: Vec<usize> = outputs
+        .iter()
+        .map(|o| {
+            kjt.key_index(&o.input).ok_or_else(|| {
+                DistError::Module(format!("the batch has no feature '{}' (table '{}')", o.input, tables[o.table].name))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    for (o, &k) in outputs.iter().zip(&keys) {
+        let rows = tables[o.table].rows;
+        if let Some(&id) = kjt.feature(k).values.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+            return Err(DistError::Module(format!(
+                "feature '{}': id {id} is outside table '{}' ({rows} rows)",
+                o.input, tables[o.table].name
+            )));
+        }
+    }
+    Ok(keys)
+}
+
+/// The whole table `ti` as fp32 `[rows, dim]` from every rank's shards; `local(name)` reads a
+/// local shard's block. Collective.
+pub(crate) fn gather_table(
+    pg: &dyn ProcessGroup,
+    table: &EmbeddingBagConfig,
+    sharding: &TableSharding,
+    local_names: &[Option<String>],
+    local: impl Fn(&str) -> Option<Vec<f32>>,
+) -> Result<Vec<f32>, DistError> {
+    let me = pg.rank();
+    let mut mine = Vec::new();
+    for (si, _) in sharding.shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
+        let lname = local_names[si].as_ref().expect("a local shard has a local table");
+        mine.extend(local(lname).unwrap_or_default());
+    }
+    let mut counts = vec![0usize; pg.world_size()];
+    for sh in &sharding.shards {
+        counts[sh.rank] += (sh.rows.end - sh.rows.start) as usize * sh.cols.len();
+    }
+    let all = pg.all_gather_v(&mine, &counts)?;
+    // Rank-order blocks, each rank's shards in shard order.
+    let mut full = vec![0f32; table.rows as usize * table.dim];
+    let mut at: Vec<usize> = Vec::with_capacity(counts.len());
+    let mut acc = 0;
+    for c in &counts {
+        at.push(acc);
+        acc += c;
+    }
+    for sh in &sharding.shards {
+        let n = sh.cols.len();
+        for r in sh.rows.clone() {
+            full[r as usize * table.dim + sh.cols.start..][..n].copy_from_slice(&all[at[sh.rank]..at[sh.rank] + n]);
+            at[sh.rank] += n;
+        }
+    }
+    Ok(full)
+}
+
+/// Each of rank `me`'s shards' blocks of the whole `[rows, dim]` `weights` of a table, by local
+/// table name.
+pub(crate) fn shard_blocks(
+    table: &EmbeddingBagConfig,
+    sharding: &TableSharding,
+    local_names: &[Option<String>],
+    me: usize,
+    weights: &[f32],
+) -> Result<Vec<(String, Vec<f32>)>, DistError> {
+    let (rows, dim) = (table.rows as usize, table.dim);
+    if weights.len() != rows * dim {
+        return Err(DistError::Module(format!("table '{}': {} weights for {rows} x {dim}", table.name, weights.len())));
+    }
+    Ok(sharding
+        .shards
+        .iter()
+        .enumerate()
+        .filter(|(_, sh)| sh.rank == me)
+        .map(|(si, sh)| {
+            let mut block = Vec::with_capacity((sh.rows.end - sh.rows.start) as usize * sh.cols.len());
+            for r in sh.rows.clone() {
+                block.extend_from_slice(&weights[r as usize * dim + sh.cols.start..][..sh.cols.len()]);
+            }
+            (local_names[si].clone().expect("a local shard has a local table"), block)
+        })
+        .collect())
+}
+
+pub(crate) fn module<E: std::fmt::Display>(e: E) -> DistError {
+    DistError::Module(e.to_string())
+}
+
+impl ShardedEbc {
+    /// Builds this rank's part of the collection: its shards of every table and the replicas
+    /// of data-parallel tables, with the initial weights of the unsharded collection built
+    /// with `seed`. Every rank must pass the same
+    /// tables and shardings.
+    pub fn new(
+        tables: Vec<EmbeddingBagConfig>,
+        shardings: Vec<TableSharding>,
+        optimizer: SparseOptimizerConfig,
+        seed: u64,
+        pg: Arc<dyn ProcessGroup>,
+    ) -> Result<Self, DistError> {
+        let (world, me) = (pg.world_size(), pg.rank());
+        check_shardings(&tables, &shardings, world)?;
+        let layout = Layout::new(&tables, &shardings, world, me);
+        let expected = layout.expected_local_keys(&tables, me);
+        let Layout { outputs, width: col, routes, local_tables, local_names, init, dp_tables, dp_outputs } = layout;
         let width_of = |r: &Route| shardings[r.table].shards[r.shard].cols.len();
         let route_cols: Vec<Vec<usize>> = routes
             .iter()
@@ -347,46 +553,15 @@ impl ShardedEbc {
         let rs: Vec<usize> = (0..routes[me].len()).filter(|&j| by_reduce_scatter[routes[me][j].table]).collect();
         let rs_width = rs.iter().map(|&j| width_of(&routes[me][j])).sum();
 
-        // This rank's shards, one local table each, its features named `<output>/<shard>`.
-        let mut local_tables = Vec::new();
-        let mut local_names = vec![Vec::new(); tables.len()];
-        let mut init = Vec::new();
-        for (ti, (t, s)) in tables.iter().zip(&shardings).enumerate() {
-            local_names[ti] = vec![None; s.shards.len()];
-            if s.sharding_type == ShardingType::DataParallel {
-                continue;
-            }
-            for (si, shard) in s.shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
-                let name = format!("{}/shard{si}", t.name);
-                let features: Vec<String> = t.features.iter().map(|f| format!("{f}/shard{si}")).collect();
-                let mut c = t.clone();
-                c.name = name.clone();
-                c.rows = shard.rows.end - shard.rows.start;
-                c.dim = shard.cols.len();
-                c.pooling = PoolingMode::Sum;
-                c.features = features;
-                local_tables.push(c);
-                init.push((name.clone(), ti, si));
-                local_names[ti][si] = Some(name);
-            }
-        }
         let local = if local_tables.is_empty() {
             None
         } else {
             let mut ebc = EmbeddingBagCollection::new(local_tables, optimizer.clone(), seed).map_err(module)?;
-            for (name, ti, si) in init {
-                let (t, sh) = (&tables[ti], &shardings[ti].shards[si]);
-                let w = initial_weights(seed, ti, t.rows, t.dim, sh.rows.clone(), sh.cols.clone());
+            for (name, w) in initial_shard_weights(&tables, &shardings, &init, seed) {
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
             Some(ebc)
         };
-        let expected: Vec<String> = routes[me]
-            .iter()
-            .map(|r| {
-                format!("{}/shard{}", tables[r.table].features[r.output - first_output(&outputs, r.table)], r.shard)
-            })
-            .collect();
         if let Some(l) = &local {
             if l.output_keys() != expected {
                 return Err(DistError::Module(format!(
@@ -396,24 +571,12 @@ impl ShardedEbc {
             }
         }
 
-        let dp_tables: Vec<EmbeddingBagConfig> = tables
-            .iter()
-            .zip(&shardings)
-            .filter(|(_, s)| s.sharding_type == ShardingType::DataParallel)
-            .map(|(t, _)| t.clone())
-            .collect();
-        let dp_outputs: Vec<usize> = (0..outputs.len())
-            .filter(|&o| shardings[outputs[o].table].sharding_type == ShardingType::DataParallel)
-            .collect();
         let dp = if dp_tables.is_empty() {
             None
         } else {
             let mut ebc = EmbeddingBagCollection::new(dp_tables, optimizer, seed).map_err(module)?;
-            for (ti, t) in tables.iter().enumerate() {
-                if shardings[ti].sharding_type == ShardingType::DataParallel {
-                    ebc.set_table_weights(&t.name, initial_weights(seed, ti, t.rows, t.dim, 0..t.rows, 0..t.dim))
-                        .map_err(module)?;
-                }
+            for (name, w) in initial_replica_weights(&tables, &shardings, seed) {
+                ebc.set_table_weights(&name, w).map_err(module)?;
             }
             Some(ebc)
         };
@@ -466,27 +629,7 @@ impl ShardedEbc {
             }
         };
         let b = inverse.map_or(kjt.stride(), |inv| inv.indices.first().map_or(0, Vec::len));
-        let keys: Vec<usize> = self
-            .outputs
-            .iter()
-            .map(|o| {
-                kjt.key_index(&o.input).ok_or_else(|| {
-                    DistError::Module(format!(
-                        "the batch has no feature '{}' (table '{}')",
-                        o.input, self.tables[o.table].name
-                    ))
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        for (o, &k) in self.outputs.iter().zip(&keys) {
-            let rows = self.tables[o.table].rows;
-            if let Some(&id) = kjt.feature(k).values.iter().find(|&&id| id < 0 || id as u64 >= rows) {
-                return Err(DistError::Module(format!(
-                    "feature '{}': id {id} is outside table '{}' ({rows} rows)",
-                    o.input, self.tables[o.table].name
-                )));
-            }
-        }
+        let keys = resolve_inputs(kjt, &self.outputs, &self.tables)?;
         let weighted = kjt.weights().is_some();
         // Per output: its bags here (B, or the distinct bags of a VBE key) and each sample's bag.
         let nbags: Vec<usize> = keys.iter().map(|&k| kjt.feature(k).num_bags()).collect();
@@ -843,55 +986,22 @@ impl ShardedEbc {
             let dp = self.dp.as_ref().expect("data-parallel tables have replicas");
             return dp.table_weights(name).ok_or_else(|| DistError::Module(format!("no table '{name}'")));
         }
-        let me = self.pg.rank();
-        let mut local = Vec::new();
-        for (si, _) in s.shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
-            let lname = self.local_names[ti][si].as_ref().expect("a local shard has a local table");
-            local.extend(self.local.as_ref().and_then(|l| l.table_weights(lname)).unwrap_or_default());
-        }
-        let mut counts = vec![0usize; self.pg.world_size()];
-        for sh in &s.shards {
-            counts[sh.rank] += (sh.rows.end - sh.rows.start) as usize * sh.cols.len();
-        }
-        let all = self.pg.all_gather_v(&local, &counts)?;
-        // Rank-order blocks, each rank's shards in shard order.
-        let mut full = vec![0f32; t.rows as usize * t.dim];
-        let mut at: Vec<usize> = Vec::with_capacity(counts.len());
-        let mut acc = 0;
-        for c in &counts {
-            at.push(acc);
-            acc += c;
-        }
-        for sh in &s.shards {
-            let n = sh.cols.len();
-            for r in sh.rows.clone() {
-                full[r as usize * t.dim + sh.cols.start..][..n].copy_from_slice(&all[at[sh.rank]..at[sh.rank] + n]);
-                at[sh.rank] += n;
-            }
-        }
-        Ok(full)
+        let local = |lname: &str| self.local.as_ref().and_then(|l| l.table_weights(lname));
+        gather_table(self.pg.as_ref(), t, s, &self.local_names[ti], local)
     }
 
     /// Replaces table `name` from its whole `[rows, dim]` fp32 weights: each rank keeps its
     /// shards' blocks (e.g. to start from an unsharded collection's weights). Not collective.
     pub fn set_table_weights(&mut self, name: &str, weights: &[f32]) -> Result<(), DistError> {
         let ti = self.table_index(name)?;
-        let (rows, dim) = (self.tables[ti].rows as usize, self.tables[ti].dim);
-        if weights.len() != rows * dim {
-            return Err(DistError::Module(format!("table '{name}': {} weights for {rows} x {dim}", weights.len())));
-        }
+        let blocks =
+            shard_blocks(&self.tables[ti], &self.shardings[ti], &self.local_names[ti], self.pg.rank(), weights)?;
         if self.shardings[ti].sharding_type == ShardingType::DataParallel {
             let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
             return dp.set_table_weights(name, weights.to_vec()).map_err(module);
         }
-        let me = self.pg.rank();
-        for (si, sh) in self.shardings[ti].shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
-            let mut block = Vec::with_capacity((sh.rows.end - sh.rows.start) as usize * sh.cols.len());
-            for r in sh.rows.clone() {
-                block.extend_from_slice(&weights[r as usize * dim + sh.cols.start..][..sh.cols.len()]);
-            }
-            let lname = self.local_names[ti][si].as_ref().expect("a local shard has a local table");
-            self.local.as_mut().expect("local shards").set_table_weights(lname, block).map_err(module)?;
+        for (lname, block) in blocks {
+            self.local.as_mut().expect("local shards").set_table_weights(&lname, block).map_err(module)?;
         }
         Ok(())
     }
@@ -914,7 +1024,7 @@ fn first_output(outputs: &[Output], table: usize) -> usize {
 /// lengths (key-major: `bags[k][s]` bags of key `k`) and the ids (and weights) those lengths
 /// cover, the parts concatenated. Key `k` gets every source's bags in rank order, padded with
 /// empty bags to `stride`.
-fn merge_by_source(
+pub(crate) fn merge_by_source(
     keys: Vec<String>,
     bags: &[Vec<usize>],
     lengths: &[u32],

@@ -282,12 +282,13 @@ impl Core {
     }
 
     /// Fused backward + optimizer: lists every id occurrence with `src(output, bag, position
-    /// in the feature's values)` into `grad`, scaled by its per-id weight (and 1/L when
-    /// `mean_of(output)`), then runs each group's update.
+    /// in the feature's values)` into `grad`, scaled by its per-id weight when `weighted` (and
+    /// 1/L when `mean_of(output)`), then runs each group's update.
     pub(crate) fn backward(
         &mut self,
         kjt: &KeyedJaggedTensor,
         keys: &[usize],
+        weighted: bool,
         grad: &[f32],
         src: impl Fn(usize, usize, usize) -> usize + Sync,
         mean_of: impl Fn(usize) -> bool + Sync,
@@ -322,7 +323,7 @@ impl Core {
                     let (s, e) = (f.bag_start(b), f.bag_start(b + 1));
                     let pool = if mean && e > s { 1.0 / (e - s) as f32 } else { 1.0 };
                     for pos in s..e {
-                        let w = f.weights.map_or(1.0, |w| w[pos]);
+                        let w = if weighted { f.weights.map_or(1.0, |w| w[pos]) } else { 1.0 };
                         list.push(Occ {
                             row: crate::tbe::clamp_row(f.values[pos], rows) as u32,
                             src: src(oi, b, pos) as u32,

@@ -175,7 +175,7 @@ impl EmbeddingBagCollection {
         let columns: Vec<usize> = self.core.outputs.iter().map(|o| o.column).collect();
         let means: Vec<bool> =
             self.core.outputs.iter().map(|o| self.core.tables[o.table].config.pooling == PoolingMode::Mean).collect();
-        self.core.backward(kjt, &keys, grad_output, |o, b, _| b * width + columns[o], |o| means[o])
+        self.core.backward(kjt, &keys, true, grad_output, |o, b, _| b * width + columns[o], |o| means[o])
     }
 
     /// Gradient of the loss with respect to each per-id weight of `kjt` (the input of a

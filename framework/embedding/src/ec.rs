@@ -37,6 +37,12 @@ impl EmbeddingCollection {
         Ok(Self { core: Core::new(tables, optimizer, seed, false)? })
     }
 
+    /// Output names (one per feature of each table, table order), the order of
+    /// [`SequenceEmbeddings::keys`].
+    pub fn output_keys(&self) -> Vec<String> {
+        self.core.outputs.iter().map(|o| o.name.clone()).collect()
+    }
+
     /// Sets what lookups do with ids outside their table (default `fatal`).
     pub fn set_bounds_check(&mut self, mode: BoundsCheckMode) {
         self.core.bounds = mode;
@@ -94,6 +100,7 @@ impl EmbeddingCollection {
 
     /// Backward fused with the optimizer: `grads[o]` is the gradient of output `o`, shaped
     /// like its forward values. Duplicate ids are summed, then one update per unique row.
+    /// Per-id weights are ignored, as by the forward.
     pub fn backward_and_update(&mut self, kjt: &KeyedJaggedTensor, grads: &[Vec<f32>]) -> Result<(), EmbeddingError> {
         let keys = self.core.resolve(kjt)?;
         self.core.check_ids(kjt, &keys)?;
@@ -120,6 +127,6 @@ impl EmbeddingCollection {
         }
         let flat: Vec<f32> = grads.concat();
         let dims: Vec<usize> = self.core.outputs.iter().map(|o| o.dim).collect();
-        self.core.backward(kjt, &keys, &flat, |o, _, pos| base[o] + pos * dims[o], |_| false)
+        self.core.backward(kjt, &keys, false, &flat, |o, _, pos| base[o] + pos * dims[o], |_| false)
     }
 }

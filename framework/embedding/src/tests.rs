@@ -807,6 +807,22 @@ fn sequence_collection_gathers_and_updates_per_id() {
 }
 
 #[test]
+fn sequence_collection_ignores_id_weights_forward_and_backward() {
+    let configs = || vec![table("a", 4, 2, PoolingMode::Sum, &["x"])];
+    let plain = kjt(&["x"], vec![2, 0, 2], None, vec![2, 1], 2);
+    let weighted = kjt(&["x"], vec![2, 0, 2], Some(vec![0.5, 3.0, 2.0]), vec![2, 1], 2);
+    let grads = vec![vec![1.0, 0.0, 0.5, 0.5, 1.0, 2.0]];
+    let mut runs = Vec::new();
+    for input in [&plain, &weighted] {
+        let mut ec = EmbeddingCollection::new(configs(), SGD, 0).unwrap();
+        let out = ec.forward(input).unwrap();
+        ec.backward_and_update(input, &grads).unwrap();
+        runs.push((out, ec.table_weights("a").unwrap()));
+    }
+    assert_eq!(runs[0], runs[1]);
+}
+
+#[test]
 fn position_weights_feed_a_weighted_ebc_and_get_gradients() {
     let mut pw = PositionWeightedModule::new(&[("f", 3)]).unwrap();
     pw.weights_mut("f").unwrap().copy_from_slice(&[1.0, 0.5, 0.25]);
