@@ -10,6 +10,7 @@ pub mod conformance;
 pub mod group;
 #[cfg(feature = "mpi")]
 pub mod mpi_group;
+pub mod nccl_group;
 pub mod sharded;
 pub mod sharded_ec;
 pub mod thread;
@@ -17,6 +18,7 @@ pub mod thread;
 pub use group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp};
 #[cfg(feature = "mpi")]
 pub use mpi_group::MpiGroup;
+pub use nccl_group::NcclGroup;
 pub use sharded::{DistContext, ShardSpec, ShardedEbc, StepTimes, TableSharding};
 pub use sharded_ec::{EcContext, ShardedEc};
 pub use thread::ThreadGroup;
