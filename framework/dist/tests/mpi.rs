@@ -1,6 +1,7 @@
 //! The MPI backend under `mpirun` (built with `--features mpi`; `scripts/test` runs it):
 //! every sharding type on 2 and 3 processes equals the unsharded collection, and a rank that
-//! leaves or stalls stops the job with a clear error instead of a hang.
+//! leaves or stalls stops the job with a clear error instead of a hang; the NCCL backend,
+//! bootstrapped over MPI, runs the same checks where there are GPUs and says why not elsewhere.
 #![cfg(feature = "mpi")]
 
 use std::process::{Command, Output};
@@ -52,5 +53,26 @@ fn a_stalled_rank_times_out_with_the_collective_named() {
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
     assert!(t.contains("rank 0: all_to_all (collective #0) did not complete within 1s"), "{t}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+}
+
+#[test]
+fn nccl_over_mpi_runs_the_checks_or_says_why_not() {
+    let (out, took) = mpirun(2, &["--nccl", "--timeout-ms", "20000"]);
+    let t = text(&out);
+    match trainrec_dist::NcclGroup::probe() {
+        // One GPU per rank: two ranks need two GPUs.
+        Ok(gpus) if gpus >= 2 => {
+            assert!(out.status.success(), "{t}");
+            assert!(t.contains("equivalence cases ok on nccl"), "{t}");
+        }
+        Ok(_) => assert!(!out.status.success(), "{t}"),
+        Err(_) => {
+            assert!(!out.status.success(), "{t}");
+            for r in 0..2 {
+                assert!(t.contains(&format!("rank {r}: NCCL backend: ")), "{t}");
+            }
+        }
+    }
     assert!(took < Duration::from_secs(60), "took {took:?}");
 }

@@ -5,13 +5,16 @@
 //! `--leave R` makes rank `R` exit (code 9) before the first collective and `--stall R` makes it
 //! sleep past the timeout (`--timeout-ms`, default 60000): the other ranks must then stop
 //! with a clear error instead of hanging.
+//!
+//! `--nccl` runs the checks on the NCCL backend instead, bootstrapped over MPI, rank `r` on GPU
+//! `r mod GPUs` (one GPU per rank: NCCL refuses two ranks on one GPU).
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use trainrec_dist::conformance::{cases, run_case, standard_sizes};
-use trainrec_dist::{MpiGroup, ProcessGroup};
+use trainrec_dist::{MpiGroup, NcclGroup, ProcessGroup};
 
 fn flag(args: &[String], name: &str) -> Option<u64> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok())
@@ -39,7 +42,19 @@ fn main() -> ExitCode {
         eprintln!("error: run under mpirun with at least 2 ranks (world size {world})");
         return ExitCode::from(2);
     }
-    let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+    let pg: Arc<dyn ProcessGroup> = if args.iter().any(|a| a == "--nccl") {
+        let gpus = NcclGroup::probe().unwrap_or(1);
+        match NcclGroup::new(&pg, rank % gpus, timeout) {
+            Ok(nccl) => Arc::new(nccl),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        Arc::new(pg)
+    };
+    let backend = pg.backend();
     let all = [cases(&standard_sizes(world, 0), false), cases(&standard_sizes(world, 1), true)].concat();
     for c in &all {
         if let Err(e) = run_case(pg.clone(), c) {
@@ -47,6 +62,6 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    println!("rank {rank}/{world}: {} equivalence cases ok on mpi", all.len());
+    println!("rank {rank}/{world}: {} equivalence cases ok on {backend}", all.len());
     ExitCode::SUCCESS
 }
