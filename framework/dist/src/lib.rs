@@ -11,6 +11,7 @@ pub mod group;
 #[cfg(feature = "mpi")]
 pub mod mpi_group;
 pub mod nccl_group;
+pub mod shard;
 pub mod sharded;
 pub mod sharded_ec;
 pub mod thread;
@@ -19,6 +20,7 @@ pub use group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp};
 #[cfg(feature = "mpi")]
 pub use mpi_group::MpiGroup;
 pub use nccl_group::NcclGroup;
-pub use sharded::{DistContext, ShardSpec, ShardedEbc, StepTimes, TableSharding};
+pub use shard::{Module, ShardedModule, ShardingPlan, shard_ebc, shard_ec, shard_modules};
+pub use sharded::{DistContext, LocalShard, ShardSpec, ShardedEbc, StepTimes, TableSharding};
 pub use sharded_ec::{EcContext, ShardedEc};
 pub use thread::ThreadGroup;

@@ -39,7 +39,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use trainrec_embedding::{
-    EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, initial_weights,
+    EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, initial_weights,
 };
 use trainrec_planner::{ShardingType, TablePlan};
 use trainrec_sparse::KeyedJaggedTensor;
@@ -269,6 +269,7 @@ pub struct ShardedEbc {
     local_names: Vec<Vec<Option<String>>>,
     dp: Option<EmbeddingBagCollection>,
     dp_outputs: Vec<usize>,
+    optimizer: SparseOptimizerConfig,
 }
 
 /// What every sharded collection derives from its tables and shardings on one rank.
@@ -471,18 +472,25 @@ pub(crate) fn gather_table(
     Ok(full)
 }
 
-/// Each of rank `me`'s shards' blocks of the whole `[rows, dim]` `weights` of a table, by local
-/// table name.
+/// Each of rank `me`'s shards' blocks of a whole per-row matrix of a table (`parts` per row,
+/// e.g. its `[rows, dim]` weights as one per-column part, or its optimizer state), by local
+/// table name: each per-column part's columns of the shard and a copy of each per-row part.
 pub(crate) fn shard_blocks(
     table: &EmbeddingBagConfig,
     sharding: &TableSharding,
     local_names: &[Option<String>],
     me: usize,
-    weights: &[f32],
+    parts: &[StatePart],
+    data: &[f32],
 ) -> Result<Vec<(String, Vec<f32>)>, DistError> {
     let (rows, dim) = (table.rows as usize, table.dim);
-    if weights.len() != rows * dim {
-        return Err(DistError::Module(format!("table '{}': {} weights for {rows} x {dim}", table.name, weights.len())));
+    let width: usize = parts.iter().map(|p| p.len(dim)).sum();
+    if data.len() != rows * width {
+        return Err(DistError::Module(format!(
+            "table '{}': {} floats for {rows} rows x {width}",
+            table.name,
+            data.len()
+        )));
     }
     Ok(sharding
         .shards
@@ -490,13 +498,178 @@ pub(crate) fn shard_blocks(
         .enumerate()
         .filter(|(_, sh)| sh.rank == me)
         .map(|(si, sh)| {
-            let mut block = Vec::with_capacity((sh.rows.end - sh.rows.start) as usize * sh.cols.len());
+            let mut block = Vec::new();
             for r in sh.rows.clone() {
-                block.extend_from_slice(&weights[r as usize * dim + sh.cols.start..][..sh.cols.len()]);
+                let mut at = r as usize * width;
+                for p in parts {
+                    match p {
+                        StatePart::PerColumn => block.extend_from_slice(&data[at + sh.cols.start..at + sh.cols.end]),
+                        StatePart::PerRow => block.push(data[at]),
+                    }
+                    at += p.len(dim);
+                }
             }
             (local_names[si].clone().expect("a local shard has a local table"), block)
         })
         .collect())
+}
+
+/// One shard of a table held by this rank and where it sits in the table: TorchRec's local
+/// shard of a `ShardedTensor` in the state dict (a data-parallel replica is one shard covering
+/// the table).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalShard {
+    /// The table.
+    pub table: String,
+    /// The table's rows and columns.
+    pub table_shape: [usize; 2],
+    /// The shard's rows of the table.
+    pub rows: Range<u64>,
+    /// The shard's columns of the table.
+    pub cols: Range<usize>,
+    /// Whether every rank holds it (a data-parallel replica).
+    pub replicated: bool,
+    /// Its weights, `[rows, cols]` row-major, fp32.
+    pub weights: Vec<f32>,
+    /// Its fused optimizer's state, per row the parts of
+    /// [`SparseOptimizerConfig::state_layout`] over the shard's columns.
+    pub optimizer_state: Vec<f32>,
+    /// Optimizer steps applied to it.
+    pub step_count: u64,
+}
+
+/// The state of a local collection's tables, by local table name.
+pub(crate) trait LocalTables {
+    fn weights(&self, name: &str) -> Option<Vec<f32>>;
+    fn state(&self, name: &str) -> Option<Vec<f32>>;
+    fn steps(&self, name: &str) -> Option<u64>;
+    fn set_weights(&mut self, name: &str, w: Vec<f32>) -> Result<(), DistError>;
+    fn set_state(&mut self, name: &str, s: Vec<f32>) -> Result<(), DistError>;
+    fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError>;
+}
+
+macro_rules! local_tables {
+    ($t:ty) => {
+        impl LocalTables for $t {
+            fn weights(&self, name: &str) -> Option<Vec<f32>> {
+                self.table_weights(name)
+            }
+            fn state(&self, name: &str) -> Option<Vec<f32>> {
+                self.optimizer_state(name)
+            }
+            fn steps(&self, name: &str) -> Option<u64> {
+                self.step_count(name)
+            }
+            fn set_weights(&mut self, name: &str, w: Vec<f32>) -> Result<(), DistError> {
+                self.set_table_weights(name, w).map_err(module)
+            }
+            fn set_state(&mut self, name: &str, s: Vec<f32>) -> Result<(), DistError> {
+                self.set_optimizer_state(name, s).map_err(module)
+            }
+            fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError> {
+                self.set_step_count(name, n).map_err(module)
+            }
+        }
+    };
+}
+local_tables!(EmbeddingBagCollection);
+local_tables!(trainrec_embedding::EmbeddingCollection);
+
+/// The tables of a sharded collection on one rank (either kind of collection): their configs,
+/// shardings and local table names.
+pub(crate) struct Parts<'a> {
+    pub(crate) tables: &'a [EmbeddingBagConfig],
+    pub(crate) shardings: &'a [TableSharding],
+    pub(crate) local_names: &'a [Vec<Option<String>>],
+    pub(crate) me: usize,
+    pub(crate) optimizer: &'a SparseOptimizerConfig,
+}
+
+impl Parts<'_> {
+    fn index(&self, name: &str) -> Result<usize, DistError> {
+        self.tables.iter().position(|t| t.name == name).ok_or_else(|| DistError::Module(format!("no table '{name}'")))
+    }
+
+    fn optimizer_of(&self, ti: usize) -> &SparseOptimizerConfig {
+        self.tables[ti].optimizer.as_ref().unwrap_or(self.optimizer)
+    }
+
+    /// This rank's shards and replicas.
+    pub(crate) fn local_shards<L: LocalTables>(&self, local: Option<&L>, dp: Option<&L>) -> Vec<LocalShard> {
+        let mut out = Vec::new();
+        for (ti, (t, s)) in self.tables.iter().zip(self.shardings).enumerate() {
+            let shape = [t.rows as usize, t.dim];
+            let entry = |c: &L, name: &str, rows: Range<u64>, cols: Range<usize>, replicated: bool| LocalShard {
+                table: t.name.clone(),
+                table_shape: shape,
+                rows,
+                cols,
+                replicated,
+                weights: c.weights(name).unwrap_or_default(),
+                optimizer_state: c.state(name).unwrap_or_default(),
+                step_count: c.steps(name).unwrap_or(0),
+            };
+            if s.sharding_type == ShardingType::DataParallel {
+                if let Some(dp) = dp {
+                    out.push(entry(dp, &t.name, 0..t.rows, 0..t.dim, true));
+                }
+                continue;
+            }
+            for (si, sh) in s.shards.iter().enumerate().filter(|(_, sh)| sh.rank == self.me) {
+                let lname = self.local_names[ti][si].as_deref().expect("a local shard has a local table");
+                if let Some(l) = local {
+                    out.push(entry(l, lname, sh.rows.clone(), sh.cols.clone(), false));
+                }
+            }
+        }
+        out
+    }
+
+    /// Sets table `name`'s weights, optimizer state (either may be absent) and step count
+    /// from the whole table's (the unsharded collection's layout). Not collective.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn load<L: LocalTables>(
+        &self,
+        local: Option<&mut L>,
+        dp: Option<&mut L>,
+        name: &str,
+        weights: Option<&[f32]>,
+        state: Option<&[f32]>,
+        steps: Option<u64>,
+    ) -> Result<(), DistError> {
+        let ti = self.index(name)?;
+        let t = &self.tables[ti];
+        let layout = self.optimizer_of(ti).state_layout();
+        if self.shardings[ti].sharding_type == ShardingType::DataParallel {
+            let dp = dp.expect("data-parallel tables have replicas");
+            if let Some(w) = weights {
+                dp.set_weights(name, w.to_vec())?;
+            }
+            if let Some(st) = state {
+                dp.set_state(name, st.to_vec())?;
+            }
+            if let Some(n) = steps {
+                dp.set_steps(name, n)?;
+            }
+            return Ok(());
+        }
+        let (s, names) = (&self.shardings[ti], &self.local_names[ti][..]);
+        let w_blocks = weights.map(|w| shard_blocks(t, s, names, self.me, &[StatePart::PerColumn], w)).transpose()?;
+        let s_blocks = state.map(|st| shard_blocks(t, s, names, self.me, layout, st)).transpose()?;
+        let Some(local) = local else { return Ok(()) };
+        for (lname, block) in w_blocks.into_iter().flatten() {
+            local.set_weights(&lname, block)?;
+        }
+        for (lname, block) in s_blocks.into_iter().flatten() {
+            local.set_state(&lname, block)?;
+        }
+        if let Some(n) = steps {
+            for lname in names.iter().flatten() {
+                local.set_steps(lname, n)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 pub(crate) fn module<E: std::fmt::Display>(e: E) -> DistError {
@@ -574,7 +747,7 @@ impl ShardedEbc {
         let dp = if dp_tables.is_empty() {
             None
         } else {
-            let mut ebc = EmbeddingBagCollection::new(dp_tables, optimizer, seed).map_err(module)?;
+            let mut ebc = EmbeddingBagCollection::new(dp_tables, optimizer.clone(), seed).map_err(module)?;
             for (name, w) in initial_replica_weights(&tables, &shardings, seed) {
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
@@ -596,6 +769,7 @@ impl ShardedEbc {
             local_names,
             dp,
             dp_outputs,
+            optimizer,
         })
     }
 
@@ -993,17 +1167,45 @@ impl ShardedEbc {
     /// Replaces table `name` from its whole `[rows, dim]` fp32 weights: each rank keeps its
     /// shards' blocks (e.g. to start from an unsharded collection's weights). Not collective.
     pub fn set_table_weights(&mut self, name: &str, weights: &[f32]) -> Result<(), DistError> {
-        let ti = self.table_index(name)?;
-        let blocks =
-            shard_blocks(&self.tables[ti], &self.shardings[ti], &self.local_names[ti], self.pg.rank(), weights)?;
-        if self.shardings[ti].sharding_type == ShardingType::DataParallel {
-            let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
-            return dp.set_table_weights(name, weights.to_vec()).map_err(module);
+        self.load_table(name, weights, None, None)
+    }
+
+    /// Replaces table `name`'s weights, and its fused optimizer's state and step count when
+    /// given, from the whole table's (the unsharded collection's layout): each rank keeps its
+    /// shards' blocks. Under column-wise sharding each column block keeps a copy of a row-wise
+    /// optimizer's per-row state. Not collective.
+    pub fn load_table(
+        &mut self,
+        name: &str,
+        weights: &[f32],
+        optimizer_state: Option<&[f32]>,
+        step_count: Option<u64>,
+    ) -> Result<(), DistError> {
+        // Field by field: the parts borrow the tables while the collections are changed.
+        let parts = Parts {
+            tables: &self.tables,
+            shardings: &self.shardings,
+            local_names: &self.local_names,
+            me: self.pg.rank(),
+            optimizer: &self.optimizer,
+        };
+        parts.load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
+    }
+
+    /// This rank's shards of every table with their place in the table, weights and optimizer
+    /// state (the fused parameters of the state dict). Not collective.
+    pub fn local_shards(&self) -> Vec<LocalShard> {
+        self.parts().local_shards(self.local.as_ref(), self.dp.as_ref())
+    }
+
+    fn parts(&self) -> Parts<'_> {
+        Parts {
+            tables: &self.tables,
+            shardings: &self.shardings,
+            local_names: &self.local_names,
+            me: self.pg.rank(),
+            optimizer: &self.optimizer,
         }
-        for (lname, block) in blocks {
-            self.local.as_mut().expect("local shards").set_table_weights(&lname, block).map_err(module)?;
-        }
-        Ok(())
     }
 
     fn table_index(&self, name: &str) -> Result<usize, DistError> {

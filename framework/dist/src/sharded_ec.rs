@@ -28,8 +28,8 @@ use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::group::{DistError, ProcessGroup, ProcessGroupExt};
 use crate::sharded::{
-    Layout, Output, Route, check_shardings, gather_table, initial_replica_weights, initial_shard_weights,
-    merge_by_source, module, resolve_inputs, shard_blocks,
+    Layout, LocalShard, Output, Parts, Route, check_shardings, gather_table, initial_replica_weights,
+    initial_shard_weights, merge_by_source, module, resolve_inputs,
 };
 use crate::{StepTimes, TableSharding};
 
@@ -67,6 +67,7 @@ pub struct ShardedEc {
     local_names: Vec<Vec<Option<String>>>,
     dp: Option<EmbeddingCollection>,
     dp_outputs: Vec<usize>,
+    optimizer: SparseOptimizerConfig,
 }
 
 impl ShardedEc {
@@ -103,13 +104,13 @@ impl ShardedEc {
         let dp = if dp_tables.is_empty() {
             None
         } else {
-            let mut ec = EmbeddingCollection::new(dp_tables, optimizer, seed).map_err(module)?;
+            let mut ec = EmbeddingCollection::new(dp_tables, optimizer.clone(), seed).map_err(module)?;
             for (name, w) in initial_replica_weights(&tables, &shardings, seed) {
                 ec.set_table_weights(&name, w).map_err(module)?;
             }
             Some(ec)
         };
-        Ok(Self { pg, tables, shardings, outputs, routes, local, local_names, dp, dp_outputs })
+        Ok(Self { pg, tables, shardings, outputs, routes, local, local_names, dp, dp_outputs, optimizer })
     }
 
     /// Output names (each table's features, table order), as the unsharded collection's.
@@ -388,17 +389,42 @@ impl ShardedEc {
     /// Replaces table `name` from its whole `[rows, dim]` fp32 weights (each rank keeps its
     /// shards' blocks). Not collective.
     pub fn set_table_weights(&mut self, name: &str, weights: &[f32]) -> Result<(), DistError> {
-        let ti = self.table_index(name)?;
-        let blocks =
-            shard_blocks(&self.tables[ti], &self.shardings[ti], &self.local_names[ti], self.pg.rank(), weights)?;
-        if self.shardings[ti].sharding_type == ShardingType::DataParallel {
-            let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
-            return dp.set_table_weights(name, weights.to_vec()).map_err(module);
+        self.load_table(name, weights, None, None)
+    }
+
+    /// As [`crate::ShardedEbc::load_table`]: weights, and optimizer state and step count when
+    /// given, from the whole table's. Not collective.
+    pub fn load_table(
+        &mut self,
+        name: &str,
+        weights: &[f32],
+        optimizer_state: Option<&[f32]>,
+        step_count: Option<u64>,
+    ) -> Result<(), DistError> {
+        // Field by field: the parts borrow the tables while the collections are changed.
+        let parts = Parts {
+            tables: &self.tables,
+            shardings: &self.shardings,
+            local_names: &self.local_names,
+            me: self.pg.rank(),
+            optimizer: &self.optimizer,
+        };
+        parts.load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
+    }
+
+    /// This rank's shards of every table (see [`crate::ShardedEbc::local_shards`]).
+    pub fn local_shards(&self) -> Vec<LocalShard> {
+        self.parts().local_shards(self.local.as_ref(), self.dp.as_ref())
+    }
+
+    fn parts(&self) -> Parts<'_> {
+        Parts {
+            tables: &self.tables,
+            shardings: &self.shardings,
+            local_names: &self.local_names,
+            me: self.pg.rank(),
+            optimizer: &self.optimizer,
         }
-        for (lname, block) in blocks {
-            self.local.as_mut().expect("local shards").set_table_weights(&lname, block).map_err(module)?;
-        }
-        Ok(())
     }
 
     fn table_index(&self, name: &str) -> Result<usize, DistError> {

@@ -206,6 +206,13 @@ impl Core {
         Some(dispatch!(&self.groups[t.group], g => g.iter))
     }
 
+    /// Sets the optimizer steps of table `name`'s group (every table of the group).
+    pub(crate) fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError> {
+        let t = &self.tables[self.table_or_err(name)?];
+        dispatch!(&mut self.groups[t.group], g => g.iter = steps);
+        Ok(())
+    }
+
     /// Positions of the outputs' input features in `kjt`.
     pub(crate) fn resolve(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<usize>, EmbeddingError> {
         if kjt.variable_stride_per_key() {

@@ -216,6 +216,20 @@ impl SparseOptimizerConfig {
         }
     }
 
+    /// The layout of one row's optimizer state: its parts in order, each either one float per
+    /// column or one float for the whole row. A column block of a table keeps each per-column
+    /// part's columns and a copy of each per-row part.
+    pub fn state_layout(&self) -> &'static [StatePart] {
+        use StatePart::{PerColumn, PerRow};
+        match self {
+            Self::Sgd { .. } => &[],
+            Self::Adagrad { .. } => &[PerColumn],
+            Self::RowwiseAdagrad { .. } => &[PerRow],
+            Self::Adam { .. } | Self::Lamb { .. } => &[PerColumn, PerColumn],
+            Self::PartialRowwiseAdam { .. } => &[PerRow, PerColumn],
+        }
+    }
+
     /// Optimizer state floats per row of a `dim`-wide table.
     pub fn state_per_row(&self, dim: usize) -> usize {
         match self {
@@ -305,5 +319,24 @@ impl EmbeddingBagConfig {
     pub fn with_optimizer(mut self, optimizer: SparseOptimizerConfig) -> Self {
         self.optimizer = Some(optimizer);
         self
+    }
+}
+
+/// One part of a row's optimizer state ([`SparseOptimizerConfig::state_layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatePart {
+    /// One float per column (Adagrad's accumulator, Adam's moments).
+    PerColumn,
+    /// One float for the row (row-wise Adagrad's accumulator).
+    PerRow,
+}
+
+impl StatePart {
+    /// Floats of this part in one row of a `dim`-wide table.
+    pub fn len(self, dim: usize) -> usize {
+        match self {
+            Self::PerColumn => dim,
+            Self::PerRow => 1,
+        }
     }
 }

@@ -76,6 +76,12 @@ impl EmbeddingBagCollection {
         self.core.step_count(name)
     }
 
+    /// Sets the optimizer steps of table `name` (and of the tables packed with it), e.g. when
+    /// moving a trained table into another collection: Adam's bias correction reads it.
+    pub fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError> {
+        self.core.set_step_count(name, steps)
+    }
+
     /// The table configurations, in construction order.
     pub fn table_configs(&self) -> impl ExactSizeIterator<Item = &EmbeddingBagConfig> {
         self.core.tables.iter().map(|t| &t.config)

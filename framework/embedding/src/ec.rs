@@ -43,6 +43,27 @@ impl EmbeddingCollection {
         self.core.outputs.iter().map(|o| o.name.clone()).collect()
     }
 
+    /// The table configurations, in construction order.
+    pub fn table_configs(&self) -> impl ExactSizeIterator<Item = &EmbeddingBagConfig> {
+        self.core.tables.iter().map(|t| &t.config)
+    }
+
+    /// The collection's default fused sparse optimizer.
+    pub fn optimizer(&self) -> &SparseOptimizerConfig {
+        &self.core.optimizer
+    }
+
+    /// Optimizer steps applied so far to table `name`.
+    pub fn step_count(&self, name: &str) -> Option<u64> {
+        self.core.step_count(name)
+    }
+
+    /// Sets the optimizer steps of table `name` (and of the tables packed with it), e.g. when
+    /// moving a trained table into another collection: Adam's bias correction reads it.
+    pub fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError> {
+        self.core.set_step_count(name, steps)
+    }
+
     /// Sets what lookups do with ids outside their table (default `fatal`).
     pub fn set_bounds_check(&mut self, mode: BoundsCheckMode) {
         self.core.bounds = mode;

@@ -23,7 +23,8 @@ mod tests;
 
 pub use collection::initial_weights;
 pub use config::{
-    BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode, WeightPrecision, defaults,
+    BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, WeightDecayMode,
+    WeightPrecision, defaults,
 };
 pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};

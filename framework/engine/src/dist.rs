@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tch::{Tensor, nn};
 use trainrec_data::FeatureSchema;
-use trainrec_dist::{DistContext, ProcessGroup, ProcessGroupExt, ReduceOp, ShardedEbc, TableSharding, ThreadGroup};
+use trainrec_dist::{DistContext, ProcessGroup, ProcessGroupExt, ReduceOp, ShardedEbc, ShardingPlan, ThreadGroup};
 use trainrec_embedding::EmbeddingBagCollection;
 use trainrec_recipe::LoadedRecipe;
 use trainrec_sparse::KeyedJaggedTensor;
@@ -110,16 +110,7 @@ pub(crate) fn sharded_ebc(
     pg: Arc<dyn ProcessGroup>,
 ) -> Result<ShardedEbc, EngineError> {
     let tables = crate::job::recipe_tables(recipe);
-    let shardings = tables
-        .iter()
-        .map(|t| {
-            plan.tables
-                .iter()
-                .find(|p| p.name == t.name)
-                .map(TableSharding::from_plan)
-                .ok_or_else(|| EngineError::Internal(format!("the plan does not place table {}", t.name)))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let shardings = ShardingPlan::from_plan(plan).shardings_for(&tables)?;
     Ok(ShardedEbc::new(tables, shardings, recipe.optimizer.sparse.clone(), recipe.run.seed, pg)?)
 }
 
