@@ -114,20 +114,48 @@ pub(crate) fn sharded_ebc(
     Ok(ShardedEbc::new(tables, shardings, recipe.optimizer.sparse.clone(), recipe.run.seed, pg)?)
 }
 
+/// Default `topology.gradient_bucket_mib` (DDP's `bucket_cap_mb`).
+pub const DEFAULT_BUCKET_MIB: f64 = 25.0;
+
 /// The data-parallel half of a job across ranks: its group and the dense parameters in one
-/// order on every rank.
+/// order on every rank, cut into gradient buckets.
 pub(crate) struct DenseSync {
     pub(crate) pg: Arc<dyn ProcessGroup>,
     params: Vec<Tensor>,
+    /// Consecutive ranges of `params`, last parameters first: one all-reduce each.
+    buckets: Vec<std::ops::Range<usize>>,
+}
+
+/// Cuts parameters of `sizes` floats into buckets of at most `cap` floats (a larger parameter
+/// is a bucket of its own), starting from the last parameter as DDP does (backward produces
+/// the last layers' gradients first).
+fn buckets(sizes: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut end = sizes.len();
+    while end > 0 {
+        let mut start = end - 1;
+        let mut floats = sizes[start];
+        while start > 0 && floats + sizes[start - 1] <= cap {
+            start -= 1;
+            floats += sizes[start];
+        }
+        out.push(start..end);
+        end = start;
+    }
+    out
 }
 
 impl DenseSync {
-    /// The trainable variables of `vs` by name, and rank 0's values copied to every rank.
-    pub(crate) fn new(pg: Arc<dyn ProcessGroup>, vs: &nn::VarStore) -> Result<Self, EngineError> {
+    /// The trainable variables of `vs` by name, and rank 0's values copied to every rank;
+    /// gradients are summed in buckets of `bucket_mib` MiB.
+    pub(crate) fn new(pg: Arc<dyn ProcessGroup>, vs: &nn::VarStore, bucket_mib: f64) -> Result<Self, EngineError> {
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
-        let sync = Self { pg, params };
+        let sizes: Vec<usize> = params.iter().map(Tensor::numel).collect();
+        let cap = ((bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize;
+        let sync = Self { pg, buckets: buckets(&sizes, cap), params };
+        tracing::debug!(buckets = sync.buckets.len(), bucket_mib, "dense gradient buckets");
         sync.broadcast()?;
         Ok(sync)
     }
@@ -140,41 +168,94 @@ impl DenseSync {
         }
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut flat);
         self.pg.broadcast_bytes(bytes, 0)?;
-        self.write_back(&flat, |p, t| {
+        self.write_back(&self.params, &flat, |p, t| {
             p.shallow_clone().copy_(t);
         })
     }
 
-    /// Sums every parameter's gradient and `loss` across ranks (one all-reduce); the
-    /// gradients are replaced by the sums and the summed loss is returned.
+    /// Sums every parameter's gradient and `loss` across ranks, bucket by bucket (`loss`
+    /// rides in the last bucket); the gradients are replaced by the sums and the summed loss
+    /// is returned. A second thread runs the all-reduces, so bucket `i`'s travels while
+    /// bucket `i + 1` is packed and bucket `i - 1` unpacked.
     pub(crate) fn all_reduce(&self, loss: f64) -> Result<f64, EngineError> {
-        let mut flat: Vec<f32> = Vec::new();
-        for p in &self.params {
-            let g = p.grad();
-            if g.defined() {
-                crate::tensors::with_f32_slice(&g, |s| flat.extend_from_slice(s));
-            } else {
-                flat.extend(std::iter::repeat_n(0.0, p.numel()));
+        let pack = |range: &std::ops::Range<usize>, last: bool| {
+            let mut flat: Vec<f32> = Vec::new();
+            for p in &self.params[range.clone()] {
+                let g = p.grad();
+                if g.defined() {
+                    crate::tensors::with_f32_slice(&g, |s| flat.extend_from_slice(s));
+                } else {
+                    flat.extend(std::iter::repeat_n(0.0, p.numel()));
+                }
             }
-        }
-        flat.push(loss as f32);
-        self.pg.all_reduce_f32(&mut flat, ReduceOp::Sum)?;
-        let total = flat.pop().unwrap_or(0.0) as f64;
+            if last {
+                flat.push(loss as f32);
+            }
+            flat
+        };
         // A gradient undefined here is undefined on every rank (one model, one graph shape:
         // the parameter is not used), so its sum is zero and it stays undefined.
-        self.write_back(&flat, |p, t| {
-            let mut g = p.grad();
-            if g.defined() {
-                g.copy_(t);
-            }
-        })?;
-        Ok(total)
+        let unpack = |range: &std::ops::Range<usize>, flat: &[f32]| {
+            self.write_back(&self.params[range.clone()], flat, |p, t| {
+                let mut g = p.grad();
+                if g.defined() {
+                    g.copy_(t);
+                }
+            })
+        };
+        let n = self.buckets.len();
+        if n == 0 {
+            let mut l = [loss as f32];
+            self.pg.all_reduce_f32(&mut l, ReduceOp::Sum)?;
+            return Ok(l[0] as f64);
+        }
+        let pg = &self.pg;
+        std::thread::scope(|s| -> Result<f64, EngineError> {
+            let (to_comm, comm_in) = std::sync::mpsc::sync_channel::<Vec<f32>>(1);
+            let (comm_out, from_comm) = std::sync::mpsc::sync_channel::<Vec<f32>>(1);
+            let comm = s.spawn(move || -> Result<(), trainrec_dist::DistError> {
+                for mut flat in comm_in {
+                    pg.all_reduce_f32(&mut flat, ReduceOp::Sum)?;
+                    if comm_out.send(flat).is_err() {
+                        break;
+                    }
+                }
+                Ok(())
+            });
+            let mut total = 0.0;
+            let mut run = || -> Result<(), EngineError> {
+                for i in 0..=n {
+                    if i < n && to_comm.send(pack(&self.buckets[i], i + 1 == n)).is_err() {
+                        return Ok(()); // the reducer failed: its error is joined below
+                    }
+                    if i > 0 {
+                        let Ok(mut flat) = from_comm.recv() else { return Ok(()) };
+                        if i == n {
+                            total = flat.pop().unwrap_or(0.0) as f64;
+                        }
+                        unpack(&self.buckets[i - 1], &flat)?;
+                    }
+                }
+                Ok(())
+            };
+            let packed = run();
+            drop(to_comm);
+            drop(from_comm);
+            comm.join().map_err(|_| EngineError::Internal("the gradient all-reduce thread panicked".into()))??;
+            packed?;
+            Ok(total)
+        })
     }
 
-    fn write_back(&self, flat: &[f32], mut put: impl FnMut(&Tensor, &Tensor)) -> Result<(), EngineError> {
+    fn write_back(
+        &self,
+        params: &[Tensor],
+        flat: &[f32],
+        mut put: impl FnMut(&Tensor, &Tensor),
+    ) -> Result<(), EngineError> {
         let mut at = 0;
         tch::no_grad(|| -> Result<(), EngineError> {
-            for p in &self.params {
+            for p in params {
                 let n = p.numel();
                 let t = Tensor::from_slice(&flat[at..at + n]).f_view(p.size().as_slice())?.to_kind(p.kind());
                 put(p, &t);
@@ -276,4 +357,17 @@ pub fn run_mpi(
 
 fn is_peer_gone(e: &EngineError) -> bool {
     matches!(e, EngineError::Dist(trainrec_dist::DistError::PeerGone { .. }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::buckets;
+
+    #[test]
+    fn buckets_fill_from_the_last_parameter_and_hold_big_ones_alone() {
+        // From the end: 1 + 1 (+10 > 6), then 10 alone, then 2 + 4 (+3 > 6), then 3.
+        assert_eq!(buckets(&[3, 4, 2, 10, 1, 1], 6), vec![4..6, 3..4, 1..3, 0..1]);
+        assert_eq!(buckets(&[5, 5], 100), vec![0..2]);
+        assert!(buckets(&[], 10).is_empty());
+    }
 }

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use trainrec_dist::{DistContext, ProcessGroup};
 
 use crate::check::sparse_outputs;
-use crate::dist::{DenseSync, SparseArch};
+use crate::dist::{DEFAULT_BUCKET_MIB, DenseSync, SparseArch};
 use crate::error::EngineError;
 use crate::registry::Registry;
 
@@ -287,7 +287,10 @@ impl Job {
         let (sparse, sync) = match pg {
             Some(pg) => {
                 let sharded = crate::dist::sharded_ebc(&recipe, &plan, pg.clone())?;
-                (SparseArch::Sharded(Box::new(sharded)), Some(DenseSync::new(pg, &vs)?))
+                (
+                    SparseArch::Sharded(Box::new(sharded)),
+                    Some(DenseSync::new(pg, &vs, recipe.topology.gradient_bucket_mib.unwrap_or(DEFAULT_BUCKET_MIB))?),
+                )
             }
             None => (SparseArch::Local(recipe_ebc(&recipe)?), None),
         };

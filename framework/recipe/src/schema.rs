@@ -85,6 +85,11 @@ pub struct TopologySection {
     /// Bandwidth between hosts, GiB/s. Default: 12.5.
     #[serde(default)]
     pub inter_host_bandwidth: Option<f64>,
+    /// Size of each bucket of the dense gradients' all-reduce across ranks, MiB (DDP's
+    /// `bucket_cap_mb`). The gradients travel in buckets, last parameters first; while one
+    /// bucket is reduced the next is packed and the previous unpacked. Default: 25.
+    #[serde(default)]
+    pub gradient_bucket_mib: Option<f64>,
 }
 
 impl Default for TopologySection {
@@ -102,6 +107,7 @@ impl Default for TopologySection {
             hbm_to_ddr_bandwidth: None,
             intra_host_bandwidth: None,
             inter_host_bandwidth: None,
+            gradient_bucket_mib: None,
         }
     }
 }

@@ -190,6 +190,10 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         }
     }
 
+    if let Some(mib) = recipe.topology.gradient_bucket_mib {
+        positive_f64(&mut out, root.key("topology").key("gradient_bucket_mib"), mib);
+    }
+
     let opt = root.key("optimizer");
     let before = out.len();
     positive_f64(&mut out, opt.key("sparse").key("lr"), recipe.optimizer.sparse.lr() as f64);
