@@ -264,6 +264,23 @@ fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
 }
 
 #[test]
+fn table_row_wise_over_two_hosts_trains_like_one_rank() {
+    let one = train(1, "table_row_wise", false);
+    for (world, per_host) in [(4, "2"), (2, "1")] {
+        let o = format!("topology.local_world_size={per_host}");
+        let many = train_with(world, "table_row_wise", false, &[&o]);
+        let what = format!("table_row_wise on {world} ranks, {per_host} per host");
+        assert!((many.loss.0 - one.loss.0).abs() < 1e-4, "{what}: {:?} vs {:?}", many.loss, one.loss);
+        for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
+            close(&format!("{what}: table {t}"), a, b);
+        }
+        for (name, v) in &one.dense {
+            close(&format!("{what}: dense {name}"), &many.dense[name], v);
+        }
+    }
+}
+
+#[test]
 fn the_shipped_two_rank_recipe_learns_the_planted_signal() {
     let registry = custom_trainrec::registry();
     let out = std::env::temp_dir().join(format!("trainrec-dist-quickstart-{}", std::process::id()));

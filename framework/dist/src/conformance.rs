@@ -115,6 +115,8 @@ pub struct Case {
     pub vbe: bool,
     /// Whether it checks the unpooled [`ShardedEc`] instead of the [`ShardedEbc`].
     pub sequence: bool,
+    /// Ranks per host (the bag collection sums table-row-wise blocks on their host first).
+    pub local_world_size: usize,
 }
 
 /// Runs `case` on this rank of `pg` (every rank must run the same cases in the same order).
@@ -146,7 +148,15 @@ pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
     let start: usize = sizes[..r].iter().sum();
     let mine = start..start + sizes[r];
     let d = |e: crate::DistError| format!("{name}: rank {r}: {e}");
-    let mut ebc = ShardedEbc::new(tables(), case.shardings.clone(), case.optimizer.clone(), 99, pg).map_err(d)?;
+    let mut ebc = ShardedEbc::new_on_hosts(
+        tables(),
+        case.shardings.clone(),
+        case.optimizer.clone(),
+        99,
+        pg,
+        case.local_world_size,
+    )
+    .map_err(d)?;
     if ebc.width() != width {
         return Err(format!("{name}: width {} vs {width}", ebc.width()));
     }
@@ -330,8 +340,69 @@ pub fn cases(sizes: &[usize], weighted: bool) -> Vec<Case> {
                     weighted,
                     vbe,
                     sequence,
+                    local_world_size: w,
                 });
             }
+        }
+    }
+    out
+}
+
+/// The sharding types whose output dist depends on hosts, on `sizes.len()` ranks in hosts of
+/// `local_world_size`: table-row-wise tables each on its own host (the blocks' partial sums
+/// added on that host, then sent across), grid tables with column blocks on different hosts,
+/// and a mix with row-wise and table-wise tables; each with row-wise Adagrad (Adagrad for
+/// grid), SGD and SGD on VBE batches.
+pub fn host_cases(sizes: &[usize], weighted: bool, local_world_size: usize) -> Vec<Case> {
+    let w = sizes.len();
+    let l = local_world_size;
+    let hosts = w / l;
+    let host = |h: usize| -> Vec<usize> { (h * l..(h + 1) * l).collect() };
+    let all: Vec<usize> = (0..w).collect();
+    let t = tables();
+    let twrw = |c: &EmbeddingBagConfig, h: usize| {
+        TableSharding::row_wise(c.rows, c.dim, &host(h % hosts)).named(ShardingType::TableRowWise)
+    };
+    // Column block c on host c: each block's row blocks on that host's ranks.
+    let grid_on_hosts = |c: &EmbeddingBagConfig| {
+        let half = c.dim / 2;
+        let mut shards = Vec::new();
+        for (b, cols) in [0..half, half..c.dim].into_iter().enumerate() {
+            for s in TableSharding::row_wise(c.rows, c.dim, &host(b % hosts)).shards {
+                shards.push(ShardSpec { rank: s.rank, rows: s.rows, cols: cols.clone() });
+            }
+        }
+        TableSharding { sharding_type: ShardingType::Grid, shards }
+    };
+    let types: Vec<(&str, Vec<TableSharding>, SparseOptimizerConfig)> = vec![
+        ("table_row_wise", t.iter().enumerate().map(|(i, c)| twrw(c, i + 1)).collect(), rowwise()),
+        ("grid", t.iter().map(grid_on_hosts).collect(), adagrad()),
+        (
+            "mixed",
+            vec![
+                twrw(&t[0], hosts - 1),
+                TableSharding::row_wise(t[1].rows, t[1].dim, &all),
+                TableSharding::table_wise(t[2].rows, t[2].dim, l.min(w - 1)),
+            ],
+            rowwise(),
+        ),
+    ];
+    let sgd = SparseOptimizerConfig::Sgd { lr: 0.05 };
+    let mut out = Vec::new();
+    for (name, shardings, opt) in types {
+        for (variant, optimizer, vbe) in
+            [("", opt.clone(), false), (", sgd", sgd.clone(), false), (", sgd, vbe", sgd.clone(), true)]
+        {
+            out.push(Case {
+                name: format!("{name} (world {w}, {l} per host, weighted {weighted}{variant})"),
+                shardings: shardings.clone(),
+                optimizer,
+                sizes: sizes.to_vec(),
+                weighted,
+                vbe,
+                sequence: false,
+                local_world_size: l,
+            });
         }
     }
     out

@@ -9,16 +9,18 @@
 //!
 //! 1. **Input dist.** Every id goes to the rank holding its row (row-sharded tables bucketize
 //!    ids by row range and shift them to the shard's first row). Splits first: one all-to-all
-//!    of batch size and id count per destination, then one all-to-all each of bag lengths, ids
-//!    and weights, for all tables at once. A rank then holds, for each of its shards, the bags
+//!    of batch size, id count and each output's bag count per destination, then one
+//!    all-to-all each of bag lengths, ids and weights, for all tables at once. A rank then holds, for each of its shards, the bags
 //!    of the whole global batch (sources in rank order).
 //! 2. **Lookup.** One local collection over the rank's shards pools (sum) every bag.
 //! 3. **Output dist.** Row-wise tables (one full-width block on every rank of the world) hold
 //!    partial sums of the global batch: one reduce-scatter sums them and gives each source its
 //!    examples, as TorchRec's row-wise output dist. Every other shard's rows go back through
 //!    one all-to-all and the source adds them into their columns of its `[B_r, width]` output
-//!    (column blocks land side by side; the row blocks of table-row-wise and grid shards are
-//!    partial sums and add up). Mean pooling is computed as the sum divided by the bag's id
+//!    (column blocks land side by side). The row blocks of table-row-wise and grid tables on
+//!    one host are partial sums: they go in two stages, as TorchRec's table-row-wise output
+//!    dist, first to the host's rank of each source's local rank, which adds them up, then to
+//!    the source, so one block per source crosses between hosts. Mean pooling is computed as the sum divided by the bag's id
 //!    count afterwards, as TorchRec does under row-wise sharding.
 //! 4. **Backward.** The reverse collectives (an all-gather of the row-wise outputs' gradients,
 //!    an all-to-all of the others) bring each shard the output gradient of every global
@@ -224,6 +226,8 @@ pub struct DistContext {
     /// Per output of a VBE batch: each sample's bag (`inverse_indices`).
     sample_bag: Vec<Option<Vec<usize>>>,
     /// `bags[j][s]`: bags of local route `j` from rank `s`.
+    /// `src_bags[s][o]`: bags of output `o` on rank `s`.
+    src_bags: Vec<Vec<usize>>,
     bags: Vec<Vec<usize>>,
     /// `off[j][s]`: where those bags start in the local batch.
     off: Vec<Vec<usize>>,
@@ -270,6 +274,12 @@ pub struct ShardedEbc {
     dp: Option<EmbeddingBagCollection>,
     dp_outputs: Vec<usize>,
     optimizer: SparseOptimizerConfig,
+    /// Ranks per host.
+    local_world: usize,
+    /// The row-block partial sums summed on their host first (two-stage output dist).
+    partials: Vec<Partial>,
+    /// `held[d]`: the partials rank `d` holds shards of, with its routes of each.
+    held: Vec<Vec<(usize, Vec<usize>)>>,
 }
 
 /// What every sharded collection derives from its tables and shardings on one rank.
@@ -679,8 +689,8 @@ pub(crate) fn module<E: std::fmt::Display>(e: E) -> DistError {
 impl ShardedEbc {
     /// Builds this rank's part of the collection: its shards of every table and the replicas
     /// of data-parallel tables, with the initial weights of the unsharded collection built
-    /// with `seed`. Every rank must pass the same
-    /// tables and shardings.
+    /// with `seed`. Every rank must pass the same tables and shardings. All ranks are taken
+    /// to be on one host (see [`Self::new_on_hosts`]).
     pub fn new(
         tables: Vec<EmbeddingBagConfig>,
         shardings: Vec<TableSharding>,
@@ -688,7 +698,27 @@ impl ShardedEbc {
         seed: u64,
         pg: Arc<dyn ProcessGroup>,
     ) -> Result<Self, DistError> {
+        let world = pg.world_size();
+        Self::new_on_hosts(tables, shardings, optimizer, seed, pg, world)
+    }
+
+    /// [`Self::new`] on hosts of `local_world_size` ranks each (rank `r` on host
+    /// `r / local_world_size`): the row blocks of table-row-wise and grid tables held on one
+    /// host are summed on that host before they cross to another (the two-stage output dist).
+    pub fn new_on_hosts(
+        tables: Vec<EmbeddingBagConfig>,
+        shardings: Vec<TableSharding>,
+        optimizer: SparseOptimizerConfig,
+        seed: u64,
+        pg: Arc<dyn ProcessGroup>,
+        local_world_size: usize,
+    ) -> Result<Self, DistError> {
         let (world, me) = (pg.world_size(), pg.rank());
+        if local_world_size == 0 || world % local_world_size != 0 {
+            return Err(DistError::Module(format!(
+                "{local_world_size} ranks per host do not divide the world of {world} ranks"
+            )));
+        }
         check_shardings(&tables, &shardings, world)?;
         let layout = Layout::new(&tables, &shardings, world, me);
         let expected = layout.expected_local_keys(&tables, me);
@@ -721,8 +751,26 @@ impl ShardedEbc {
                     && s.shards.iter().all(|sh| sh.cols.start == 0 && sh.cols.end == t.dim)
             })
             .collect();
-        let a2a: Vec<Vec<usize>> =
-            routes.iter().map(|rs| (0..rs.len()).filter(|&j| !by_reduce_scatter[rs[j].table]).collect()).collect();
+        let partials = two_stage(&tables, &shardings, &outputs, local_world_size, &by_reduce_scatter);
+        // held[d]: the partial sums rank d holds shards of, each with its routes there.
+        let held: Vec<Vec<(usize, Vec<usize>)>> = routes
+            .iter()
+            .map(|rs| {
+                let mut h: Vec<(usize, Vec<usize>)> = Vec::new();
+                for (pi, p) in partials.iter().enumerate() {
+                    let js: Vec<usize> = (0..rs.len()).filter(|&j| p.covers(&rs[j], &shardings)).collect();
+                    if !js.is_empty() {
+                        h.push((pi, js));
+                    }
+                }
+                h
+            })
+            .collect();
+        let in_partial = |r: &Route| partials.iter().any(|p| p.covers(r, &shardings));
+        let a2a: Vec<Vec<usize>> = routes
+            .iter()
+            .map(|rs| (0..rs.len()).filter(|&j| !by_reduce_scatter[rs[j].table] && !in_partial(&rs[j])).collect())
+            .collect();
         let rs: Vec<usize> = (0..routes[me].len()).filter(|&j| by_reduce_scatter[routes[me][j].table]).collect();
         let rs_width = rs.iter().map(|&j| width_of(&routes[me][j])).sum();
 
@@ -770,6 +818,9 @@ impl ShardedEbc {
             dp,
             dp_outputs,
             optimizer,
+            local_world: local_world_size,
+            partials,
+            held,
         })
     }
 
@@ -850,18 +901,17 @@ impl ShardedEbc {
             len_counts[d] = lengths.len() - l0;
             val_counts[d] = values.len() - v0;
         }
-        // Splits first: batch size, id count, weightedness and each route's bag count, per
+        // Splits first: batch size, id count, weightedness and each output's bag count, per
         // destination.
+        let n_out = self.outputs.len();
         let mut splits = Vec::new();
-        let mut split_counts = vec![0usize; world];
-        for (d, count) in split_counts.iter_mut().enumerate() {
-            splits.extend([b as u64, val_counts[d] as u64, weighted as u64]);
-            splits.extend(self.routes[d].iter().map(|r| nbags[r.output] as u64));
-            *count = 3 + self.routes[d].len();
+        for &count in &val_counts {
+            splits.extend([b as u64, count as u64, weighted as u64]);
+            splits.extend(nbags.iter().map(|&n| n as u64));
         }
         let mine = &self.routes[me];
-        let got = self.pg.all_to_all_v(&splits, &split_counts, &vec![3 + mine.len(); world])?;
-        let at = |s: usize, i: usize| got[s * (3 + mine.len()) + i] as usize;
+        let got = self.pg.all_to_all_v(&splits, &vec![3 + n_out; world], &vec![3 + n_out; world])?;
+        let at = |s: usize, i: usize| got[s * (3 + n_out) + i] as usize;
         let batch_sizes: Vec<usize> = (0..world).map(|s| at(s, 0)).collect();
         let recv_vals: Vec<usize> = (0..world).map(|s| at(s, 1)).collect();
         if let Some(s) = (0..world).find(|&s| (at(s, 2) != 0) != weighted) {
@@ -871,8 +921,11 @@ impl ShardedEbc {
                 if weighted { "" } else { "not " }
             )));
         }
-        // bags[j][s]: the bags of route j from rank s; off[j][s]: where they start locally.
-        let bags: Vec<Vec<usize>> = (0..mine.len()).map(|j| (0..world).map(|s| at(s, 3 + j)).collect()).collect();
+        // src_bags[s][o]: the bags of output o on rank s; bags[j][s]: the bags of route j from
+        // rank s; off[j][s]: where they start locally.
+        let src_bags: Vec<Vec<usize>> = (0..world).map(|s| (0..n_out).map(|o| at(s, 3 + o)).collect()).collect();
+        let bags: Vec<Vec<usize>> =
+            (0..mine.len()).map(|j| (0..world).map(|s| src_bags[s][mine[j].output]).collect()).collect();
         let off: Vec<Vec<usize>> = bags
             .iter()
             .map(|bs| {
@@ -944,18 +997,61 @@ impl ShardedEbc {
             .collect();
         let recv = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
         let summed = if self.rs_width > 0 { self.pg.reduce_scatter_f32(&rs_in, &rs_counts)? } else { Vec::new() };
+        // Two stages for the partial sums of row blocks on one host: within the host, to the
+        // rank of each source's local rank, which adds them up; then to the source.
+        let stage = TwoStage { ebc: self, src_bags: &src_bags };
+        let mut s1 = Vec::new();
+        let mut s1_counts = vec![0usize; world];
+        for (a, count) in s1_counts.iter_mut().enumerate() {
+            let start = s1.len();
+            stage.for_each_held(me, a, |s, pi, js| {
+                let (n, at0) = (self.partials[pi].cols.len(), s1.len());
+                s1.resize(at0 + src_bags[s][self.partials[pi].output] * n, 0.0);
+                for &j in js {
+                    let c = self.route_cols[me][j];
+                    for (i, row) in (off[j][s]..off[j][s] + bags[j][s]).enumerate() {
+                        for (x, y) in s1[at0 + i * n..][..n].iter_mut().zip(&pooled[row * lw + c..][..n]) {
+                            *x += y;
+                        }
+                    }
+                }
+            });
+            *count = s1.len() - start;
+        }
+        let partial_sums = if self.partials.is_empty() {
+            Vec::new()
+        } else {
+            let r1 = self.pg.all_to_all_v(&s1, &s1_counts, &stage.held_counts(me))?;
+            let agg = stage.sum_by_source(&r1);
+            let (s2, s2_counts) = stage.to_sources(&agg);
+            let s2_recv: Vec<usize> = (0..world).map(|a| stage.floats_via(a, me, &nbags)).collect();
+            let got = self.pg.all_to_all_v(&s2, &s2_counts, &s2_recv)?;
+            times.output_bytes += 4 * (s1.len() + s2.len());
+            got
+        };
         // Expand to the full batch: sample e reads its bag's row.
         let w = self.width;
         let mut out = vec![0f32; b * w];
-        let mut place = |r: &Route, block: &[f32]| {
-            let shard = &self.shardings[r.table].shards[r.shard];
-            let (dst, n) = (self.outputs[r.output].col + shard.cols.start, shard.cols.len());
+        let mut place_cols = |output: usize, cols: Range<usize>, block: &[f32]| {
+            let (dst, n) = (self.outputs[output].col + cols.start, cols.len());
             for e in 0..b {
-                let bag = sample_bag[r.output].as_ref().map_or(e, |m| m[e]);
+                let bag = sample_bag[output].as_ref().map_or(e, |m| m[e]);
                 for (x, y) in out[e * w + dst..][..n].iter_mut().zip(&block[bag * n..][..n]) {
                     *x += y;
                 }
             }
+        };
+        let mut at = 0;
+        for a in 0..world {
+            for p in stage.parts_via(a, me) {
+                let len = nbags[p.output] * p.cols.len();
+                place_cols(p.output, p.cols.clone(), &partial_sums[at..at + len]);
+                at += len;
+            }
+        }
+        let mut place = |r: &Route, block: &[f32]| {
+            let shard = &self.shardings[r.table].shards[r.shard];
+            place_cols(r.output, shard.cols.clone(), block);
         };
         let mut at = 0;
         for d in 0..world {
@@ -974,7 +1070,7 @@ impl ShardedEbc {
             at += len;
         }
         times.output_dist = clock.elapsed().as_secs_f64();
-        times.output_bytes = 4 * (send.len() + rs_in.len());
+        times.output_bytes += 4 * (send.len() + rs_in.len());
 
         // Data-parallel tables: local lookups on the local (full) batch.
         let clock = std::time::Instant::now();
@@ -1025,7 +1121,19 @@ impl ShardedEbc {
         }
         Ok((
             out,
-            DistContext { times, local_kjt, batch_sizes, mean_scale, dp_kjt, nbags, sample_bag, bags, off, stride },
+            DistContext {
+                times,
+                local_kjt,
+                batch_sizes,
+                mean_scale,
+                dp_kjt,
+                nbags,
+                sample_bag,
+                src_bags,
+                bags,
+                off,
+                stride,
+            },
         ))
     }
 
@@ -1046,19 +1154,21 @@ impl ShardedEbc {
         let clock = std::time::Instant::now();
         // A route's gradient per bag here: the sum over the samples reading that bag (times
         // 1/ids for mean pooling), `[bags, shard width]`.
-        let grad_of = |r: &Route, into: &mut Vec<f32>| {
-            let shard = &self.shardings[r.table].shards[r.shard];
-            let (c, n) = (self.outputs[r.output].col + shard.cols.start, shard.cols.len());
+        let grad_cols = |output: usize, cols: Range<usize>, into: &mut Vec<f32>| {
+            let (c, n) = (self.outputs[output].col + cols.start, cols.len());
             let start = into.len();
-            into.resize(start + ctx.nbags[r.output] * n, 0.0);
+            into.resize(start + ctx.nbags[output] * n, 0.0);
             let dst = &mut into[start..];
             for e in 0..b {
-                let bag = ctx.sample_bag[r.output].as_ref().map_or(e, |m| m[e]);
-                let scale = ctx.mean_scale[r.output].get(e).copied().unwrap_or(1.0);
+                let bag = ctx.sample_bag[output].as_ref().map_or(e, |m| m[e]);
+                let scale = ctx.mean_scale[output].get(e).copied().unwrap_or(1.0);
                 for (x, g) in dst[bag * n..][..n].iter_mut().zip(&grad[e * w + c..][..n]) {
                     *x += g * scale;
                 }
             }
+        };
+        let grad_of = |r: &Route, into: &mut Vec<f32>| {
+            grad_cols(r.output, self.shardings[r.table].shards[r.shard].cols.clone(), into);
         };
         let mut send = Vec::new();
         let mut send_counts = vec![0usize; world];
@@ -1107,6 +1217,42 @@ impl ShardedEbc {
                 let len = ctx.bags[j][s] * width_of(self, &mine[j]);
                 put(j, s, &gathered[at..at + len]);
                 at += len;
+            }
+        }
+        if !self.partials.is_empty() {
+            // The partial sums' two stages backwards: each source's gradient to the rank of
+            // its local rank on the partial's host, which hands it to every rank holding a
+            // block of the partial.
+            let stage = TwoStage { ebc: self, src_bags: &ctx.src_bags };
+            let mut s2 = Vec::new();
+            let mut s2_counts = vec![0usize; world];
+            for (a, count) in s2_counts.iter_mut().enumerate() {
+                let start = s2.len();
+                for p in stage.parts_via(a, me) {
+                    grad_cols(p.output, p.cols.clone(), &mut s2);
+                }
+                *count = s2.len() - start;
+            }
+            let r2_counts = stage.to_sources_counts();
+            let r2 = self.pg.all_to_all_v(&s2, &s2_counts, &r2_counts)?;
+            let gsum = stage.by_source(&r2);
+            let mut s1 = Vec::new();
+            let mut s1_counts = vec![0usize; world];
+            for (d, count) in s1_counts.iter_mut().enumerate() {
+                let start = s1.len();
+                stage.for_each_held(d, me, |s, pi, _| s1.extend_from_slice(&gsum[&(s, pi)]));
+                *count = s1.len() - start;
+            }
+            let r1 = self.pg.all_to_all_v(&s1, &s1_counts, &stage.held_counts_back(me))?;
+            let mut at = 0;
+            for a in 0..world {
+                stage.for_each_held(me, a, |s, pi, js| {
+                    let len = ctx.src_bags[s][self.partials[pi].output] * self.partials[pi].cols.len();
+                    for &j in js {
+                        put(j, s, &r1[at..at + len]);
+                    }
+                    at += len;
+                });
             }
         }
         times.grad_dist = clock.elapsed().as_secs_f64();
@@ -1210,6 +1356,201 @@ impl ShardedEbc {
 
     fn table_index(&self, name: &str) -> Result<usize, DistError> {
         self.tables.iter().position(|t| t.name == name).ok_or_else(|| DistError::Module(format!("no table '{name}'")))
+    }
+}
+
+/// One output's columns of a table whose row blocks all sit on one host: the blocks' partial
+/// sums are added on that host (by the rank of each source's local rank there) before they go
+/// to the source, as TorchRec's table-row-wise output dist (an intra-host reduce-scatter, then
+/// a cross-host all-to-all).
+#[derive(Clone, Debug)]
+struct Partial {
+    output: usize,
+    table: usize,
+    cols: Range<usize>,
+    host: usize,
+}
+
+impl Partial {
+    fn covers(&self, r: &Route, shardings: &[TableSharding]) -> bool {
+        r.output == self.output && r.table == self.table && shardings[r.table].shards[r.shard].cols == self.cols
+    }
+}
+
+/// The partials of table-row-wise and grid tables whose every column block's row blocks are
+/// on one host (others, and the tables reduce-scattered over the world, keep the plain
+/// all-to-all).
+fn two_stage(
+    tables: &[EmbeddingBagConfig],
+    shardings: &[TableSharding],
+    outputs: &[Output],
+    local_world: usize,
+    by_reduce_scatter: &[bool],
+) -> Vec<Partial> {
+    let mut out = Vec::new();
+    for (ti, (_, s)) in tables.iter().zip(shardings).enumerate() {
+        if by_reduce_scatter[ti] || !matches!(s.sharding_type, ShardingType::TableRowWise | ShardingType::Grid) {
+            continue;
+        }
+        let mut blocks: Vec<Range<usize>> = s.shards.iter().map(|sh| sh.cols.clone()).collect();
+        blocks.sort_by_key(|c| c.start);
+        blocks.dedup();
+        let mut parts = Vec::new();
+        for cols in blocks {
+            let mut hosts = s.shards.iter().filter(|sh| sh.cols == cols).map(|sh| sh.rank / local_world);
+            let host = hosts.next().unwrap_or(0);
+            if !hosts.all(|h| h == host) {
+                parts.clear();
+                break;
+            }
+            parts.push((cols, host));
+        }
+        for (oi, _) in outputs.iter().enumerate().filter(|(_, o)| o.table == ti) {
+            for (cols, host) in &parts {
+                out.push(Partial { output: oi, table: ti, cols: cols.clone(), host: *host });
+            }
+        }
+    }
+    out
+}
+
+/// The bookkeeping of the two-stage output dist on one rank of one step: who sends which
+/// partial sums of which sources to whom, in one order every rank agrees on.
+struct TwoStage<'a> {
+    ebc: &'a ShardedEbc,
+    /// `src_bags[s][o]`: bags of output `o` on rank `s`.
+    src_bags: &'a [Vec<usize>],
+}
+
+impl TwoStage<'_> {
+    fn host(&self, r: usize) -> usize {
+        r / self.ebc.local_world
+    }
+
+    /// The sources whose partial sums rank `a` adds up on its host: those of its local rank.
+    fn sources_of(&self, a: usize) -> impl Iterator<Item = usize> + use<> {
+        let (l, world) = (self.ebc.local_world, self.ebc.pg.world_size());
+        (0..world).filter(move |s| s % l == a % l)
+    }
+
+    /// Stage one from shard holder `d` to aggregator `a` (same host): for each source of
+    /// `a`, for each partial `d` holds, `f(source, partial, d's routes of it)`.
+    fn for_each_held(&self, d: usize, a: usize, mut f: impl FnMut(usize, usize, &[usize])) {
+        if self.host(d) != self.host(a) {
+            return;
+        }
+        for s in self.sources_of(a) {
+            for (pi, js) in &self.ebc.held[d] {
+                f(s, *pi, js);
+            }
+        }
+    }
+
+    fn rows(&self, s: usize, pi: usize) -> usize {
+        let p = &self.ebc.partials[pi];
+        self.src_bags[s][p.output] * p.cols.len()
+    }
+
+    /// Floats aggregator `me` gets in stage one from each rank.
+    fn held_counts(&self, me: usize) -> Vec<usize> {
+        (0..self.ebc.pg.world_size())
+            .map(|d| {
+                let mut n = 0;
+                self.for_each_held(d, me, |s, pi, _| n += self.rows(s, pi));
+                n
+            })
+            .collect()
+    }
+
+    /// Backwards, floats shard holder `me` gets in stage one from each aggregator.
+    fn held_counts_back(&self, me: usize) -> Vec<usize> {
+        (0..self.ebc.pg.world_size())
+            .map(|a| {
+                let mut n = 0;
+                self.for_each_held(me, a, |s, pi, _| n += self.rows(s, pi));
+                n
+            })
+            .collect()
+    }
+
+    /// The partials rank `a` sums on its host, in order.
+    fn parts_here(&self, a: usize) -> impl Iterator<Item = (usize, &Partial)> {
+        let h = self.host(a);
+        self.ebc.partials.iter().enumerate().filter(move |(_, p)| p.host == h)
+    }
+
+    /// What source `s` gets from (or, backwards, sends to) aggregator `a`: the partials of
+    /// `a`'s host when `a` has `s`'s local rank.
+    fn parts_via(&self, a: usize, s: usize) -> Vec<&Partial> {
+        let l = self.ebc.local_world;
+        if a % l != s % l {
+            return Vec::new();
+        }
+        self.parts_here(a).map(|(_, p)| p).collect()
+    }
+
+    /// Stage one's received blocks (from every rank of this host) summed per (source, partial).
+    fn sum_by_source(&self, r1: &[f32]) -> std::collections::BTreeMap<(usize, usize), Vec<f32>> {
+        let me = self.ebc.pg.rank();
+        let mut agg: std::collections::BTreeMap<(usize, usize), Vec<f32>> = std::collections::BTreeMap::new();
+        let mut at = 0;
+        for d in 0..self.ebc.pg.world_size() {
+            self.for_each_held(d, me, |s, pi, _| {
+                let len = self.rows(s, pi);
+                let acc = agg.entry((s, pi)).or_insert_with(|| vec![0.0; len]);
+                acc.iter_mut().zip(&r1[at..at + len]).for_each(|(x, y)| *x += y);
+                at += len;
+            });
+        }
+        agg
+    }
+
+    /// Stage two: to each source of this rank, the sums of this host's partials.
+    fn to_sources(&self, agg: &std::collections::BTreeMap<(usize, usize), Vec<f32>>) -> (Vec<f32>, Vec<usize>) {
+        let me = self.ebc.pg.rank();
+        let mut send = Vec::new();
+        let mut counts = vec![0usize; self.ebc.pg.world_size()];
+        for s in self.sources_of(me) {
+            let start = send.len();
+            for (pi, _) in self.parts_here(me) {
+                match agg.get(&(s, pi)) {
+                    Some(v) => send.extend_from_slice(v),
+                    None => send.extend(std::iter::repeat_n(0.0, self.rows(s, pi))),
+                }
+            }
+            counts[s] = send.len() - start;
+        }
+        (send, counts)
+    }
+
+    /// Floats source `s` gets from aggregator `a` in stage two (`nbags`: `s`'s bags per output).
+    fn floats_via(&self, a: usize, s: usize, nbags: &[usize]) -> usize {
+        self.parts_via(a, s).iter().map(|p| nbags[p.output] * p.cols.len()).sum()
+    }
+
+    /// Backwards, floats this aggregator gets from each of its sources.
+    fn to_sources_counts(&self) -> Vec<usize> {
+        let me = self.ebc.pg.rank();
+        let mut counts = vec![0usize; self.ebc.pg.world_size()];
+        for s in self.sources_of(me) {
+            counts[s] = self.parts_here(me).map(|(pi, _)| self.rows(s, pi)).sum();
+        }
+        counts
+    }
+
+    /// Backwards, the sources' gradient blocks by (source, partial).
+    fn by_source(&self, r2: &[f32]) -> std::collections::BTreeMap<(usize, usize), Vec<f32>> {
+        let me = self.ebc.pg.rank();
+        let mut out = std::collections::BTreeMap::new();
+        let mut at = 0;
+        for s in self.sources_of(me) {
+            for (pi, _) in self.parts_here(me) {
+                let len = self.rows(s, pi);
+                out.insert((s, pi), r2[at..at + len].to_vec());
+                at += len;
+            }
+        }
+        out
     }
 }
 

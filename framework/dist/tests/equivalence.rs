@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use trainrec_dist::conformance::{Case, cases, run_case, standard_sizes, tables};
+use trainrec_dist::conformance::{Case, cases, host_cases, run_case, standard_sizes, tables};
 use trainrec_dist::{ProcessGroup, ShardedEbc, TableSharding, ThreadGroup};
 use trainrec_embedding::SparseOptimizerConfig;
 use trainrec_sparse::KeyedJaggedTensor;
@@ -27,6 +27,13 @@ fn every_sharding_type_on_two_ranks_equals_unsharded() {
 #[test]
 fn every_sharding_type_on_three_ranks_equals_unsharded() {
     run_all(3, [cases(&standard_sizes(3, 0), false), cases(&[2, 6, 1], true)].concat());
+}
+
+#[test]
+fn table_row_wise_and_grid_over_hosts_equal_unsharded() {
+    // Two hosts of two ranks, and two hosts of three: partial sums added on their host first.
+    run_all(4, [host_cases(&standard_sizes(4, 0), false, 2), host_cases(&[3, 1, 4, 2], true, 2)].concat());
+    run_all(6, host_cases(&standard_sizes(6, 1), false, 3));
 }
 
 #[test]

@@ -30,8 +30,9 @@ fn every_sharding_type_equals_unsharded_on_two_and_three_processes() {
         let (out, _) = mpirun(ranks, &[]);
         let t = text(&out);
         assert!(out.status.success(), "{t}");
+        use trainrec_dist::conformance::{cases, host_cases, standard_sizes};
         let n =
-            2 * trainrec_dist::conformance::cases(&trainrec_dist::conformance::standard_sizes(ranks, 0), false).len();
+            2 * cases(&standard_sizes(ranks, 0), false).len() + host_cases(&standard_sizes(ranks, 2), false, 1).len();
         for r in 0..ranks {
             assert!(t.contains(&format!("rank {r}/{ranks}: {n} equivalence cases ok on mpi")), "{t}");
         }

@@ -111,7 +111,8 @@ pub(crate) fn sharded_ebc(
 ) -> Result<ShardedEbc, EngineError> {
     let tables = crate::job::recipe_tables(recipe);
     let shardings = ShardingPlan::from_plan(plan).shardings_for(&tables)?;
-    Ok(ShardedEbc::new(tables, shardings, recipe.optimizer.sparse.clone(), recipe.run.seed, pg)?)
+    let per_host = recipe.topology.local_world_size.unwrap_or(recipe.topology.world_size);
+    Ok(ShardedEbc::new_on_hosts(tables, shardings, recipe.optimizer.sparse.clone(), recipe.run.seed, pg, per_host)?)
 }
 
 /// Default `topology.gradient_bucket_mib` (DDP's `bucket_cap_mb`).

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use trainrec_dist::conformance::{cases, run_case, standard_sizes};
+use trainrec_dist::conformance::{cases, host_cases, run_case, standard_sizes};
 use trainrec_dist::{MpiGroup, NcclGroup, ProcessGroup};
 
 fn flag(args: &[String], name: &str) -> Option<u64> {
@@ -55,7 +55,13 @@ fn main() -> ExitCode {
         Arc::new(pg)
     };
     let backend = pg.backend();
-    let all = [cases(&standard_sizes(world, 0), false), cases(&standard_sizes(world, 1), true)].concat();
+    // Every sharding type, and the host-dependent ones with each process its own host.
+    let all = [
+        cases(&standard_sizes(world, 0), false),
+        cases(&standard_sizes(world, 1), true),
+        host_cases(&standard_sizes(world, 2), false, 1),
+    ]
+    .concat();
     for c in &all {
         if let Err(e) = run_case(pg.clone(), c) {
             eprintln!("error: {e}");
