@@ -209,7 +209,19 @@ fn train_with(world: usize, sharding: &str, dedup: bool, overrides: &[&str]) -> 
     let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     let finish = |mut job: Job| {
         let s = job.run().unwrap_or_else(|e| panic!("{e}"));
-        let tables = ["ta", "tb"].iter().map(|t| job.table_weights(t).unwrap().unwrap()).collect();
+        let tables: Vec<Vec<f32>> = ["ta", "tb"].iter().map(|t| job.table_weights(t).unwrap().unwrap()).collect();
+        // The named state holds this rank's blocks of the tables (the whole tables on one rank).
+        let mut cells = 0;
+        for e in job.named_state().iter().filter(|e| e.name.starts_with("sparse.")) {
+            let t = ["sparse.ta.weight", "sparse.tb.weight"].iter().position(|n| *n == e.name).expect("a table");
+            let dim = e.shape[1];
+            let block: Vec<f32> = (e.offset[0]..e.offset[0] + e.local_shape[0])
+                .flat_map(|r| tables[t][r * dim + e.offset[1]..][..e.local_shape[1]].to_vec())
+                .collect();
+            assert_eq!(e.data, block, "{}", e.name);
+            cells += if e.replicated { 0 } else { e.data.len() };
+        }
+        assert!(cells > 0 || world > 1, "one rank holds every cell");
         Trained { dense: job.dense_parameters(), tables, loss: s.train_loss, eval: s.eval, steps: s.steps }
     };
     if world == 1 {

@@ -94,6 +94,26 @@ impl SparseArch {
         Ok(())
     }
 
+    /// This rank's shards of every table (each whole table on one rank).
+    pub(crate) fn local_shards(&self) -> Vec<trainrec_dist::LocalShard> {
+        match self {
+            Self::Local(ebc) => ebc
+                .table_configs()
+                .map(|t| trainrec_dist::LocalShard {
+                    table: t.name.clone(),
+                    table_shape: [t.rows as usize, t.dim],
+                    rows: 0..t.rows,
+                    cols: 0..t.dim,
+                    replicated: false,
+                    weights: ebc.table_weights(&t.name).unwrap_or_default(),
+                    optimizer_state: ebc.optimizer_state(&t.name).unwrap_or_default(),
+                    step_count: ebc.step_count(&t.name).unwrap_or(0),
+                })
+                .collect(),
+            Self::Sharded(s) => s.local_shards(),
+        }
+    }
+
     /// The weights of table `name`, `[rows, dim]` row-major (collective when sharded).
     pub(crate) fn table_weights(&self, name: &str) -> Result<Option<Vec<f32>>, EngineError> {
         match self {
@@ -118,13 +138,26 @@ pub(crate) fn sharded_ebc(
 /// Default `topology.gradient_bucket_mib` (DDP's `bucket_cap_mb`).
 pub const DEFAULT_BUCKET_MIB: f64 = 25.0;
 
-/// The data-parallel half of a job across ranks: its group and the dense parameters in one
-/// order on every rank, cut into gradient buckets.
-pub(crate) struct DenseSync {
+/// The data-parallel half of a model across ranks (DDP): its group and the dense parameters
+/// in one order on every rank, cut into gradient buckets. Rank 0's parameter values are
+/// copied to every rank when it is made; [`Self::all_reduce`] sums the gradients each step.
+pub struct DataParallel {
     pub(crate) pg: Arc<dyn ProcessGroup>,
     params: Vec<Tensor>,
     /// Consecutive ranges of `params`, last parameters first: one all-reduce each.
     buckets: Vec<std::ops::Range<usize>>,
+}
+
+impl DataParallel {
+    /// The process group.
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.pg
+    }
+
+    /// Gradient buckets (one all-reduce each per step).
+    pub fn num_buckets(&self) -> usize {
+        self.buckets.len()
+    }
 }
 
 /// Cuts parameters of `sizes` floats into buckets of at most `cap` floats (a larger parameter
@@ -146,10 +179,10 @@ fn buckets(sizes: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-impl DenseSync {
+impl DataParallel {
     /// The trainable variables of `vs` by name, and rank 0's values copied to every rank;
     /// gradients are summed in buckets of `bucket_mib` MiB.
-    pub(crate) fn new(pg: Arc<dyn ProcessGroup>, vs: &nn::VarStore, bucket_mib: f64) -> Result<Self, EngineError> {
+    pub fn new(pg: Arc<dyn ProcessGroup>, vs: &nn::VarStore, bucket_mib: f64) -> Result<Self, EngineError> {
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
@@ -178,7 +211,7 @@ impl DenseSync {
     /// rides in the last bucket); the gradients are replaced by the sums and the summed loss
     /// is returned. A second thread runs the all-reduces, so bucket `i`'s travels while
     /// bucket `i + 1` is packed and bucket `i - 1` unpacked.
-    pub(crate) fn all_reduce(&self, loss: f64) -> Result<f64, EngineError> {
+    pub fn all_reduce(&self, loss: f64) -> Result<f64, EngineError> {
         let pack = |range: &std::ops::Range<usize>, last: bool| {
             let mut flat: Vec<f32> = Vec::new();
             for p in &self.params[range.clone()] {

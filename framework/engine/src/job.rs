@@ -25,7 +25,7 @@ use std::sync::Arc;
 use trainrec_dist::{DistContext, ProcessGroup};
 
 use crate::check::sparse_outputs;
-use crate::dist::{DEFAULT_BUCKET_MIB, DenseSync, SparseArch};
+use crate::dist::{DEFAULT_BUCKET_MIB, DataParallel, SparseArch};
 use crate::error::EngineError;
 use crate::registry::Registry;
 
@@ -54,7 +54,7 @@ pub struct Job {
     sparse: SparseArch,
     vs: nn::VarStore,
     /// Across ranks: the group and the data-parallel dense parameters.
-    sync: Option<DenseSync>,
+    sync: Option<DataParallel>,
     model: Box<dyn DenseModel>,
     dense_opt: DenseOptimizer,
     num_dense: usize,
@@ -289,7 +289,11 @@ impl Job {
                 let sharded = crate::dist::sharded_ebc(&recipe, &plan, pg.clone())?;
                 (
                     SparseArch::Sharded(Box::new(sharded)),
-                    Some(DenseSync::new(pg, &vs, recipe.topology.gradient_bucket_mib.unwrap_or(DEFAULT_BUCKET_MIB))?),
+                    Some(DataParallel::new(
+                        pg,
+                        &vs,
+                        recipe.topology.gradient_bucket_mib.unwrap_or(DEFAULT_BUCKET_MIB),
+                    )?),
                 )
             }
             None => (SparseArch::Local(recipe_ebc(&recipe)?), None),
@@ -487,6 +491,20 @@ impl Job {
     /// every rank's shards; every rank must call it).
     pub fn table_weights(&self, name: &str) -> Result<Option<Vec<f32>>, EngineError> {
         self.sparse.table_weights(name)
+    }
+
+    /// This rank's named state: the dense variables (`dense.<name>`) and its shards of every
+    /// table's weights (`sparse.<table>.weight`, with their place in the table). Not
+    /// collective.
+    pub fn named_state(&self) -> Vec<crate::dmp::StateEntry> {
+        let mut out = crate::dmp::dense_entries(&self.vs);
+        out.extend(crate::dmp::shard_entries("sparse", &self.sparse.local_shards()));
+        out
+    }
+
+    /// This rank's shards of every table with their fused optimizer's state.
+    pub fn local_shards(&self) -> Vec<trainrec_dist::LocalShard> {
+        self.sparse.local_shards()
     }
 
     /// The dense model's trainable parameters by name, flattened.

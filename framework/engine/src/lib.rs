@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod check;
 pub mod dist;
+pub mod dmp;
 pub mod error;
 pub mod job;
 pub mod plan;
@@ -12,6 +13,8 @@ pub mod tensors;
 pub use trainrec_plugin::registry;
 
 pub use check::{check_loaded, load_and_check};
+pub use dist::DataParallel;
+pub use dmp::{DistributedModelParallel, StateEntry};
 pub use error::EngineError;
 pub use job::{Job, RunSummary, configure_threads};
 pub use trainrec_plugin::{
