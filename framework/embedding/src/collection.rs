@@ -206,6 +206,19 @@ impl Core {
         Some(dispatch!(&self.groups[t.group], g => g.iter))
     }
 
+    /// Re-initialises rows of table `name` (uniform in the table's init bound, from `key`),
+    /// optimizer state zero. Rows outside the table are an error (nothing changed).
+    pub(crate) fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), EmbeddingError> {
+        let t = &self.tables[self.table_or_err(name)?];
+        let n = t.config.rows;
+        if let Some(r) = rows.iter().find(|&&r| r >= n) {
+            return Err(EmbeddingError::Shape(format!("table \"{name}\" has {n} rows, cannot reset row {r}")));
+        }
+        let bound = (1.0 / n as f64).sqrt() as f32;
+        dispatch!(&mut self.groups[t.group], g => g.reset_rows(t.local, rows, bound, key));
+        Ok(())
+    }
+
     /// Sets the optimizer steps of table `name`'s group (every table of the group).
     pub(crate) fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError> {
         let t = &self.tables[self.table_or_err(name)?];

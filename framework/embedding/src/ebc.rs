@@ -76,6 +76,13 @@ impl EmbeddingBagCollection {
         self.core.step_count(name)
     }
 
+    /// Re-initialises rows `rows` of table `name`: weights uniform in the table's init bound
+    /// (`±1/sqrt(rows)`) drawn from `key` and each row, optimizer state zero. Managed
+    /// collisions reset the rows whose slot changed hands this way.
+    pub fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), EmbeddingError> {
+        self.core.reset_rows(name, rows, key)
+    }
+
     /// Sets the optimizer steps of table `name` (and of the tables packed with it), e.g. when
     /// moving a trained table into another collection: Adam's bias correction reads it.
     pub fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError> {

@@ -13,6 +13,7 @@ mod collection;
 mod config;
 mod ebc;
 mod ec;
+pub mod mc;
 mod optim;
 mod position;
 mod precision;

@@ -149,6 +149,20 @@ impl<T: Weight + Pod> Tbe<T> {
         });
     }
 
+    /// Re-initialises rows `rows` of table `t`: weights uniform in `±bound` drawn from `key`
+    /// and the row, optimizer state zero (a managed-collision slot that changed hands).
+    pub(crate) fn reset_rows(&mut self, t: usize, rows: &[u64], bound: f32, key: u64) {
+        let Slot { dim, w_off, s_off, spr, .. } = self.slots[t];
+        for &r in rows {
+            let mut rng = init_rng(key, r as usize);
+            let w = &mut self.weights.as_mut_slice()[w_off + r as usize * dim..][..dim];
+            for x in w {
+                *x = T::from_f32(init_value(&mut rng, bound));
+            }
+            self.state.as_mut_slice()[s_off + r as usize * spr..][..spr].fill(0.0);
+        }
+    }
+
     /// Table `t`'s weights as fp32, `[rows, dim]` row-major.
     pub(crate) fn weights_f32(&self, t: usize) -> Vec<f32> {
         let s = &self.slots[t];

@@ -908,3 +908,36 @@ fn optimizer_config_serde_defaults_and_errors() {
         assert!(schema.contains(needle), "schema lacks {needle}");
     }
 }
+
+#[test]
+fn reset_rows_reinitialises_weights_and_state_of_those_rows_only() {
+    let configs = vec![table("a", 6, 3, PoolingMode::Sum, &["x"])];
+    let mut ebc =
+        EmbeddingBagCollection::new(configs, SparseOptimizerConfig::Adagrad { lr: 0.5, eps: 1e-8 }, 2).unwrap();
+    let input = kjt(&["x"], vec![1, 4, 5], None, vec![3], 1);
+    ebc.backward_and_update(&input, &[1.0, -1.0, 0.5]).unwrap();
+    let (w, s) = (ebc.table_weights("a").unwrap(), ebc.optimizer_state("a").unwrap());
+    ebc.reset_rows("a", &[4, 1], 77).unwrap();
+    let (w2, s2) = (ebc.table_weights("a").unwrap(), ebc.optimizer_state("a").unwrap());
+    let bound = 1.0 / 6f32.sqrt();
+    for r in 0..6 {
+        let (a, b) = (&w[r * 3..r * 3 + 3], &w2[r * 3..r * 3 + 3]);
+        if r == 1 || r == 4 {
+            assert_ne!(a, b, "row {r} is redrawn");
+            assert!(b.iter().all(|x| x.abs() <= bound), "row {r}: {b:?} within the init bound");
+            assert_eq!(&s2[r * 3..r * 3 + 3], &[0.0; 3], "row {r}'s accumulators are cleared");
+        } else {
+            assert_eq!(a, b, "row {r} untouched");
+            assert_eq!(&s[r * 3..r * 3 + 3], &s2[r * 3..r * 3 + 3]);
+        }
+    }
+    assert_ne!(&s[15..18], &[0.0; 3], "row 5 was trained and keeps its state");
+    // The same key redraws the same values; other keys others.
+    let mut again = ebc.table_weights("a").unwrap();
+    ebc.reset_rows("a", &[4], 77).unwrap();
+    assert_eq!(ebc.table_weights("a").unwrap(), again);
+    ebc.reset_rows("a", &[4], 78).unwrap();
+    again = ebc.table_weights("a").unwrap();
+    assert_ne!(&again[12..15], &w2[12..15]);
+    assert!(ebc.reset_rows("a", &[6], 1).unwrap_err().to_string().contains("has 6 rows, cannot reset row 6"));
+}

@@ -1,0 +1,525 @@
+//! Managed collisions (zero-collision hashing, TorchRec's `MCHManagedCollisionModule`): the
+//! most useful raw ids of a large id space each get a row of their own.
+//!
+//! A table of `rows` rows tracks up to `zch_size` raw ids in slots; slot `s` is row `s`.
+//! - **Remap.** A tracked id reads its slot's row. Every other id goes to the fallback: with
+//!   `zch_size == rows` that is the reserved last row (`rows - 1`, so `rows - 1` ids are
+//!   tracked), as TorchRec does; with `zch_size < rows` it is plain hashing into the residual
+//!   rows `zch_size..rows` (TorchRec's `mch_size`), so untracked ids still collide only among
+//!   themselves.
+//! - **Profile.** Training batches are counted per id over a window of `eviction_interval`
+//!   steps (count and last step seen).
+//! - **Evict.** At the end of each window the tracked set is rebuilt: every slot and every
+//!   new id of the window get a score from the policy, and the best ones keep (or take) the
+//!   slots. Slots that change hands are returned so that their embedding row and optimizer
+//!   state are re-initialised before the new id uses them.
+//!
+//! Scores (higher stays), with `t` the current step and `a` the last step an id was seen:
+//! - `lfu`: the id's count (slots accumulate counts over windows; a new id brings its count
+//!   in the window);
+//! - `lru`: `-(t - a + 1)^decay`;
+//! - `distance_lfu`: `count / (t - a + 1)^decay`.
+//!
+//! Empty slots score below everything, so they fill first, lowest slot first. Ties keep the
+//! slot's current id
+//! (existing slots rank before new ids), and new ids rank by count, then by id. The k-th best
+//! new id takes the slot of the k-th best evicted slot, as TorchRec pairs them.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// How the tracked ids are chosen at each eviction.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum EvictionPolicy {
+    /// Most frequent ids (counts accumulated over the windows).
+    Lfu,
+    /// Most recently seen ids.
+    Lru {
+        /// Exponent of the age in the score.
+        decay_exponent: f64,
+    },
+    /// Frequency divided by a power of the age.
+    DistanceLfu {
+        /// Exponent of the age in the score.
+        decay_exponent: f64,
+    },
+}
+
+/// One table's managed-collision settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct McConfig {
+    /// Rows of the table.
+    pub rows: u64,
+    /// Slots for tracked ids (`<= rows`); see the module docs for the fallback.
+    pub zch_size: u64,
+    /// Size of the raw id space: raw ids are in `0..input_hash_size`.
+    pub input_hash_size: u64,
+    /// The policy.
+    pub policy: EvictionPolicy,
+    /// Training steps per eviction window.
+    pub eviction_interval: u64,
+}
+
+/// What the module did so far and in the last window.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct McStats {
+    /// Ids remapped in training steps so far.
+    pub lookups: u64,
+    /// Of them, ids that were not tracked (they went to the fallback and share its rows).
+    pub fallbacks: u64,
+    /// Slots holding an id.
+    pub tracked: u64,
+    /// Slots that can hold an id.
+    pub capacity: u64,
+    /// Ids that lost their slot at the last eviction.
+    pub last_evictions: u64,
+    /// Slots filled (by evicting or into empty slots) at the last eviction.
+    pub last_admissions: u64,
+    /// Evictions run.
+    pub evictions: u64,
+}
+
+impl McStats {
+    /// Fraction of the remapped ids that went to the fallback (and collide there).
+    pub fn collision_rate(&self) -> f64 {
+        if self.lookups == 0 { 0.0 } else { self.fallbacks as f64 / self.lookups as f64 }
+    }
+
+    /// Fraction of the slots holding an id.
+    pub fn tracked_fraction(&self) -> f64 {
+        if self.capacity == 0 { 0.0 } else { self.tracked as f64 / self.capacity as f64 }
+    }
+}
+
+/// splitmix64's finaliser: the hash of the id map and of the residual rows.
+#[inline]
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A hasher for `i64` keys (one multiply-xorshift round; ids need no DoS resistance).
+#[derive(Default)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = mix(self.0 ^ u64::from(b));
+        }
+    }
+    fn write_i64(&mut self, i: i64) {
+        self.0 = mix(i as u64);
+    }
+}
+
+type IdMap<V> = HashMap<i64, V, BuildHasherDefault<IdHasher>>;
+
+/// An empty slot's id.
+const EMPTY: i64 = -1;
+
+/// One table's managed-collision module (see the module docs).
+#[derive(Clone, Debug)]
+pub struct ManagedCollision {
+    config: McConfig,
+    /// Tracked id -> slot.
+    slot_of: IdMap<u32>,
+    /// Per slot: its id ([`EMPTY`] if none), count and last step seen.
+    ids: Vec<i64>,
+    counts: Vec<u64>,
+    last_access: Vec<u64>,
+    /// This window's ids: count and last step seen.
+    window: IdMap<(u64, u64)>,
+    /// Training steps so far.
+    step: u64,
+    stats: McStats,
+}
+
+/// The checkpointable state of a [`ManagedCollision`]: per slot its id (`-1`: empty), count
+/// and last step seen, the step, and the current window's ids.
+#[derive(Clone, Debug, PartialEq)]
+pub struct McState {
+    /// Per slot: the tracked id or -1.
+    pub ids: Vec<i64>,
+    /// Per slot: its count.
+    pub counts: Vec<u64>,
+    /// Per slot: the last step it was seen.
+    pub last_access: Vec<u64>,
+    /// Training steps so far.
+    pub step: u64,
+    /// The current window: (id, count, last step), sorted by id.
+    pub window: Vec<(i64, u64, u64)>,
+}
+
+impl ManagedCollision {
+    /// An empty module; `Err` names the setting that is out of range.
+    pub fn new(config: McConfig) -> Result<Self, String> {
+        if config.zch_size == 0 || config.zch_size > config.rows {
+            return Err(format!("zch_size = {} must be in 1..={} (the table's rows)", config.zch_size, config.rows));
+        }
+        if config.zch_size == config.rows && config.rows < 2 {
+            return Err("a table of one row has no room for a tracked id next to the reserved row".into());
+        }
+        if config.input_hash_size == 0 {
+            return Err("input_hash_size must be at least 1".into());
+        }
+        if config.eviction_interval == 0 {
+            return Err("eviction_interval must be at least 1".into());
+        }
+        if config.rows > u64::from(u32::MAX) {
+            return Err(format!("{} rows: at most {} slots", config.rows, u32::MAX));
+        }
+        if let EvictionPolicy::Lru { decay_exponent } | EvictionPolicy::DistanceLfu { decay_exponent } = config.policy {
+            if !(decay_exponent.is_finite() && decay_exponent > 0.0) {
+                return Err(format!("decay_exponent = {decay_exponent} must be a positive number"));
+            }
+        }
+        let slots = Self::capacity_of(&config) as usize;
+        let stats = McStats { capacity: slots as u64, ..McStats::default() };
+        Ok(Self {
+            config,
+            slot_of: IdMap::default(),
+            ids: vec![EMPTY; slots],
+            counts: vec![0; slots],
+            last_access: vec![0; slots],
+            window: IdMap::default(),
+            step: 0,
+            stats,
+        })
+    }
+
+    fn capacity_of(c: &McConfig) -> u64 {
+        if c.zch_size == c.rows { c.rows - 1 } else { c.zch_size }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &McConfig {
+        &self.config
+    }
+
+    /// The statistics so far.
+    pub fn stats(&self) -> McStats {
+        self.stats
+    }
+
+    /// The row of raw id `id` (tracked: its slot; else the fallback).
+    #[inline]
+    pub fn row_of(&self, id: i64) -> u64 {
+        match self.slot_of.get(&id) {
+            Some(&s) => u64::from(s),
+            None => self.fallback(id),
+        }
+    }
+
+    #[inline]
+    fn fallback(&self, id: i64) -> u64 {
+        let c = &self.config;
+        if c.zch_size == c.rows { c.rows - 1 } else { c.zch_size + mix(id as u64) % (c.rows - c.zch_size) }
+    }
+
+    /// The id tracked in each slot (`None`: empty), slot order.
+    pub fn tracked(&self) -> Vec<Option<i64>> {
+        self.ids.iter().map(|&i| (i != EMPTY).then_some(i)).collect()
+    }
+
+    /// Checks that every raw id is in `0..input_hash_size`; `Err` gives the first one that
+    /// is not.
+    pub fn check_ids(&self, ids: &[i64]) -> Result<(), i64> {
+        let n = self.config.input_hash_size;
+        match ids.iter().find(|&&id| id < 0 || id as u64 >= n) {
+            Some(&id) => Err(id),
+            None => Ok(()),
+        }
+    }
+
+    /// Replaces raw ids by rows (evaluation: no profiling).
+    pub fn remap(&self, ids: &mut [i64]) {
+        for id in ids {
+            *id = self.row_of(*id) as i64;
+        }
+    }
+
+    /// One training step over the raw ids of every feature of the table (`features`):
+    /// counts them into the window, and at the end of a window rebuilds the tracked set.
+    /// Returns the rows whose slot changed hands (to re-initialise) and remaps the ids in
+    /// place (after the eviction, so a newly admitted id already reads its own row).
+    pub fn train_step(&mut self, features: &mut [&mut [i64]]) -> Vec<u64> {
+        self.step += 1;
+        let step = self.step;
+        for ids in features.iter() {
+            for &id in ids.iter() {
+                let e = self.window.entry(id).or_insert((0, 0));
+                e.0 += 1;
+                e.1 = step;
+            }
+        }
+        let reset = if step % self.config.eviction_interval == 0 { self.evict() } else { Vec::new() };
+        let mut fallbacks = 0u64;
+        let mut lookups = 0u64;
+        for ids in features.iter_mut() {
+            for id in ids.iter_mut() {
+                lookups += 1;
+                *id = match self.slot_of.get(id) {
+                    Some(&s) => i64::from(s),
+                    None => {
+                        fallbacks += 1;
+                        self.fallback(*id) as i64
+                    }
+                };
+            }
+        }
+        self.stats.lookups += lookups;
+        self.stats.fallbacks += fallbacks;
+        reset
+    }
+
+    fn score(&self, count: u64, last: u64) -> f64 {
+        let age = (self.step - last.min(self.step) + 1) as f64;
+        match self.config.policy {
+            EvictionPolicy::Lfu => count as f64,
+            EvictionPolicy::Lru { decay_exponent } => -age.powf(decay_exponent),
+            EvictionPolicy::DistanceLfu { decay_exponent } => count as f64 / age.powf(decay_exponent),
+        }
+    }
+
+    /// Rebuilds the tracked set from the window (see the module docs); returns the rows of
+    /// the slots that took a new id.
+    fn evict(&mut self) -> Vec<u64> {
+        let window = std::mem::take(&mut self.window);
+        let mut new: Vec<(i64, u64, u64)> = Vec::new();
+        for (&id, &(count, last)) in &window {
+            match self.slot_of.get(&id) {
+                Some(&s) => {
+                    let s = s as usize;
+                    self.counts[s] += count;
+                    self.last_access[s] = last;
+                }
+                None => new.push((id, count, last)),
+            }
+        }
+        // New ids by count (high first), then id: TorchRec's order.
+        new.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let slots = self.ids.len();
+        // Candidates: the occupied slots (index s), the new ids (index slots + i), then the
+        // empty slots, last index first, so that the first empty slots are the ones given out.
+        let occupied = (0..slots).filter(|&s| self.ids[s] != EMPTY);
+        let empty = (0..slots).rev().filter(|&s| self.ids[s] == EMPTY);
+        let mut scored: Vec<(f64, usize)> = occupied
+            .map(|s| (self.score(self.counts[s], self.last_access[s]), s))
+            .chain(new.iter().enumerate().map(|(i, &(_, c, l))| (self.score(c, l), slots + i)))
+            .chain(empty.map(|s| (f64::NEG_INFINITY, s)))
+            .collect();
+        // Best first; ties keep the earlier candidate (slots before new ids): a stable sort.
+        scored.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal));
+        let (keep, rest) = scored.split_at(slots.min(scored.len()));
+        let admitted: Vec<usize> = keep.iter().filter(|&&(_, i)| i >= slots).map(|&(_, i)| i - slots).collect();
+        // The best new ids take the best evicted slots, then the empty slots in order.
+        let mut freed: Vec<usize> =
+            rest.iter().filter(|&&(_, i)| i < slots && self.ids[i] != EMPTY).map(|&(_, i)| i).collect();
+        let mut free_empty: Vec<usize> =
+            rest.iter().filter(|&&(_, i)| i < slots && self.ids[i] == EMPTY).map(|&(_, i)| i).collect();
+        free_empty.sort_unstable();
+        freed.extend(free_empty);
+        debug_assert_eq!(admitted.len(), freed.len());
+        let mut reset = Vec::with_capacity(freed.len());
+        let mut evicted = 0;
+        for (&s, &n) in freed.iter().zip(&admitted) {
+            if self.ids[s] != EMPTY {
+                self.slot_of.remove(&self.ids[s]);
+                evicted += 1;
+            }
+            let (id, count, last) = new[n];
+            self.ids[s] = id;
+            self.counts[s] = count;
+            self.last_access[s] = last;
+            self.slot_of.insert(id, s as u32);
+            reset.push(s as u64);
+        }
+        self.stats.evictions += 1;
+        self.stats.last_evictions = evicted;
+        self.stats.last_admissions = reset.len() as u64;
+        self.stats.tracked = self.slot_of.len() as u64;
+        reset.sort_unstable();
+        reset
+    }
+
+    /// The state to checkpoint.
+    pub fn state(&self) -> McState {
+        let mut window: Vec<(i64, u64, u64)> = self.window.iter().map(|(&id, &(c, l))| (id, c, l)).collect();
+        window.sort_unstable();
+        McState {
+            ids: self.ids.clone(),
+            counts: self.counts.clone(),
+            last_access: self.last_access.clone(),
+            step: self.step,
+            window,
+        }
+    }
+
+    /// Restores a checkpointed state (of a module with the same settings).
+    pub fn set_state(&mut self, state: &McState) -> Result<(), String> {
+        let slots = self.ids.len();
+        if state.ids.len() != slots || state.counts.len() != slots || state.last_access.len() != slots {
+            return Err(format!("the state has {} slots, this module {slots}", state.ids.len()));
+        }
+        let mut slot_of = IdMap::default();
+        for (s, &id) in state.ids.iter().enumerate().filter(|(_, id)| **id != EMPTY) {
+            if slot_of.insert(id, s as u32).is_some() {
+                return Err(format!("id {id} is tracked in two slots"));
+            }
+        }
+        self.slot_of = slot_of;
+        self.ids = state.ids.clone();
+        self.counts = state.counts.clone();
+        self.last_access = state.last_access.clone();
+        self.step = state.step;
+        self.window = state.window.iter().map(|&(id, c, l)| (id, (c, l))).collect();
+        self.stats.tracked = self.slot_of.len() as u64;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mc(rows: u64, zch: u64, policy: EvictionPolicy, interval: u64) -> ManagedCollision {
+        ManagedCollision::new(McConfig {
+            rows,
+            zch_size: zch,
+            input_hash_size: 1000,
+            policy,
+            eviction_interval: interval,
+        })
+        .unwrap()
+    }
+
+    /// One training step over one feature; returns (rows, reset rows).
+    fn step(m: &mut ManagedCollision, ids: &[i64]) -> (Vec<i64>, Vec<u64>) {
+        let mut v = ids.to_vec();
+        let reset = m.train_step(&mut [&mut v[..]]);
+        (v, reset)
+    }
+
+    #[test]
+    fn lfu_tracks_the_most_frequent_ids_and_sends_the_rest_to_the_reserved_row() {
+        // 4 rows: 3 slots, row 3 reserved.
+        let mut m = mc(4, 4, EvictionPolicy::Lfu, 2);
+        // Window 1 (steps 1, 2): counts 7:3, 5:2, 9:2, 4:1.
+        let (rows, reset) = step(&mut m, &[7, 5, 7, 9]);
+        assert_eq!(rows, [3, 3, 3, 3], "nothing tracked before the first eviction");
+        assert!(reset.is_empty());
+        let (rows, reset) = step(&mut m, &[7, 9, 5, 4]);
+        // Evicted into empty slots in score order: 7 (3), then 5 and 9 (2 each, by id).
+        assert_eq!(reset, [0, 1, 2]);
+        assert_eq!(m.tracked(), [Some(7), Some(5), Some(9)]);
+        assert_eq!(rows, [0, 2, 1, 3], "remapped after the eviction");
+        let s = m.stats();
+        assert_eq!((s.tracked, s.capacity, s.last_evictions, s.last_admissions), (3, 3, 0, 3));
+        // Window 2: 4 (5 times) beats 7 (3 + 0), 5 (2 + 1) and 9 (2 + 1); of the three tied
+        // slots the last one (9's) goes.
+        step(&mut m, &[4, 4, 4, 5]);
+        let (rows, reset) = step(&mut m, &[4, 4, 9]);
+        assert_eq!(reset, [2], "9's slot goes to 4");
+        assert_eq!(m.tracked(), [Some(7), Some(5), Some(4)]);
+        assert_eq!(rows, [2, 2, 3]);
+        assert_eq!(m.stats().last_evictions, 1);
+        // Counts accumulate: 7 = 3, 5 = 3, 4 = 5.
+        assert_eq!(m.state().counts, [3, 3, 5]);
+        // Evaluation remaps without counting.
+        let mut ids = vec![7, 4, 9, 123];
+        m.remap(&mut ids);
+        assert_eq!(ids, [0, 2, 3, 3]);
+        assert_eq!(m.stats().lookups, 15);
+        assert_eq!(m.stats().fallbacks, 4 + 1 + 3 + 1);
+    }
+
+    #[test]
+    fn lru_keeps_the_most_recent_ids() {
+        let mut m = mc(3, 3, EvictionPolicy::Lru { decay_exponent: 1.0 }, 3);
+        // Steps 1..3: 1 at step 1, 2 at step 2, 3 at step 3 (twice), 1 again at step 2.
+        step(&mut m, &[1]);
+        step(&mut m, &[2, 1]);
+        let (_, reset) = step(&mut m, &[3, 3]);
+        // 2 slots: last seen 3 (age 1), then 1 and 2 (age 2; count 2 beats 1: 1 first).
+        assert_eq!(reset, [0, 1]);
+        assert_eq!(m.tracked(), [Some(3), Some(1)]);
+        // Steps 4..6: 2 at step 5; at the eviction (step 6) 3 and 1 are 4 and 5 steps old.
+        step(&mut m, &[]);
+        step(&mut m, &[2]);
+        let (rows, reset) = step(&mut m, &[]);
+        assert!(rows.is_empty());
+        // Scores: 2: -(6 - 5 + 1) = -2, 3: -(6 - 3 + 1) = -4, 1: -(6 - 2 + 1) = -5: 1 goes.
+        assert_eq!(reset, [1]);
+        assert_eq!(m.tracked(), [Some(3), Some(2)]);
+    }
+
+    #[test]
+    fn distance_lfu_divides_counts_by_age() {
+        let mut m = mc(3, 3, EvictionPolicy::DistanceLfu { decay_exponent: 1.0 }, 2);
+        // Window 1: 8 x4 at step 1, 6 x1 at step 2.
+        step(&mut m, &[8, 8, 8, 8]);
+        step(&mut m, &[6]);
+        assert_eq!(m.tracked(), [Some(8), Some(6)]);
+        // Window 2 (eviction at step 4): 5 x3 and 8 x1 at step 4. Scores: 8: (4 + 1) / 1 = 5,
+        // 6: 1 / (4 - 2 + 1) = 1/3, 5: 3 / 1 = 3: 6 goes.
+        step(&mut m, &[]);
+        let (rows, reset) = step(&mut m, &[5, 5, 5, 8]);
+        assert_eq!(reset, [1]);
+        assert_eq!(m.tracked(), [Some(8), Some(5)]);
+        assert_eq!(rows, [1, 1, 1, 0]);
+        // 8 was seen again: its count is 5 and its last step 4.
+        assert_eq!((m.state().counts[0], m.state().last_access[0]), (5, 4));
+    }
+
+    #[test]
+    fn a_residual_part_hashes_untracked_ids_into_its_own_rows() {
+        // 10 rows: 4 slots (rows 0..4), untracked ids hash into rows 4..10.
+        let mut m = mc(10, 4, EvictionPolicy::Lfu, 1);
+        let (rows, reset) = step(&mut m, &[11, 12, 13, 14, 15, 11]);
+        assert_eq!(reset, [0, 1, 2, 3]);
+        assert_eq!(m.stats().capacity, 4);
+        assert_eq!(&rows[..5], &[0, 1, 2, 3, rows[4]]);
+        assert!((4..10).contains(&rows[4]), "15 is untracked: {rows:?}");
+        assert_eq!(rows[5], 0);
+        // The same untracked id always lands on the same residual row.
+        let mut again = vec![15];
+        m.remap(&mut again);
+        assert_eq!(again[0], rows[4]);
+    }
+
+    #[test]
+    fn bad_settings_and_ids_are_named_and_state_round_trips() {
+        let cfg = |rows, zch, interval| McConfig {
+            rows,
+            zch_size: zch,
+            input_hash_size: 100,
+            policy: EvictionPolicy::Lfu,
+            eviction_interval: interval,
+        };
+        assert!(ManagedCollision::new(cfg(10, 11, 1)).unwrap_err().contains("zch_size = 11 must be in 1..=10"));
+        assert!(ManagedCollision::new(cfg(10, 5, 0)).unwrap_err().contains("eviction_interval"));
+        let lru = McConfig { policy: EvictionPolicy::Lru { decay_exponent: 0.0 }, ..cfg(10, 5, 1) };
+        assert!(ManagedCollision::new(lru).unwrap_err().contains("decay_exponent = 0"));
+        let mut m = ManagedCollision::new(cfg(10, 10, 2)).unwrap();
+        assert_eq!(m.check_ids(&[3, 99, 100, 7]), Err(100));
+        assert_eq!(m.check_ids(&[0, 99]), Ok(()));
+        step(&mut m, &[1, 2, 2]);
+        step(&mut m, &[3]);
+        step(&mut m, &[4, 4]);
+        let state = m.state();
+        let mut copy = ManagedCollision::new(cfg(10, 10, 2)).unwrap();
+        copy.set_state(&state).unwrap();
+        // Both continue alike.
+        assert_eq!(step(&mut m, &[5, 1]), step(&mut copy, &[5, 1]));
+        assert_eq!(m.state(), copy.state());
+        let mut bad = state.clone();
+        bad.ids[1] = bad.ids[0];
+        assert!(copy.set_state(&bad).unwrap_err().contains("two slots"));
+    }
+}
