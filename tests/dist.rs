@@ -125,13 +125,20 @@ impl Sampler for Slices {
     }
 }
 
-fn recipe(dir: &Path, world: usize, sharding: &str, dedup: bool) -> PathBuf {
+fn recipe(dir: &Path, world: usize, sharding: &str, dedup: bool, mc: bool) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
-    let path = dir.join(format!("w{world}-{sharding}-{dedup}.toml"));
+    let path = dir.join(format!("w{world}-{sharding}-{dedup}-{mc}.toml"));
+    // Managed collisions on `ta`: raw ids of 0..200 for its 40 rows, an eviction every 2 steps.
+    let has_mc = mc;
+    let mc = if mc {
+        r#"mc = { input_hash_size = 200, eviction_policy = "distance_lfu", eviction_interval = 2 }"#
+    } else {
+        ""
+    };
     let text = format!(
         r#"
 [run]
-name = "dist-{world}-{sharding}-{dedup}"
+name = "dist-{world}-{sharding}-{dedup}-{has_mc}"
 seed = 5
 threads = 1
 output_dir = "{out}"
@@ -151,6 +158,7 @@ features = ["a"]
 rows = 40
 dim = 4
 constraints = {{ sharding_types = ["{sharding}"] }}
+{mc}
 
 [[tables]]
 name = "tb"
@@ -183,7 +191,7 @@ kind = "auc"
 [[metrics]]
 kind = "ne"
 "#,
-        out = dir.join(format!("run-{world}-{sharding}-{dedup}")).display()
+        out = dir.join(format!("run-{world}-{sharding}-{dedup}-{has_mc}")).display()
     );
     std::fs::write(&path, text).unwrap();
     path
@@ -202,9 +210,13 @@ fn train(world: usize, sharding: &str, dedup: bool) -> Trained {
 }
 
 fn train_with(world: usize, sharding: &str, dedup: bool, overrides: &[&str]) -> Trained {
+    train_full(world, sharding, dedup, false, overrides)
+}
+
+fn train_full(world: usize, sharding: &str, dedup: bool, mc: bool, overrides: &[&str]) -> Trained {
     let registry = Registry::builtin().sampler::<Slices>();
     let dir = std::env::temp_dir().join(format!("trainrec-dist-{}", std::process::id()));
-    let path = recipe(&dir, world, sharding, dedup);
+    let path = recipe(&dir, world, sharding, dedup, mc);
     let options = LoadOptions { overrides: overrides.iter().map(|o| o.to_string()).collect(), env: false };
     let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     let finish = |mut job: Job| {
@@ -276,6 +288,26 @@ fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
 }
 
 #[test]
+fn managed_collisions_across_ranks_train_like_one_rank() {
+    for sharding in ["row_wise", "column_wise", "data_parallel"] {
+        let one = train_full(1, sharding, false, true, &[]);
+        let plain = train(1, sharding, false);
+        assert_ne!(one.tables[0], plain.tables[0], "managed collisions change what table ta learns");
+        for world in [2, 3] {
+            let many = train_full(world, sharding, false, true, &[]);
+            let what = format!("{sharding} with managed collisions on {world} ranks");
+            assert!((many.loss.0 - one.loss.0).abs() < 1e-4, "{what}: {:?} vs {:?}", many.loss, one.loss);
+            for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
+                close(&format!("{what}: table {t}"), a, b);
+            }
+            for (k, v) in &one.eval {
+                assert!((many.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", many.eval[k]);
+            }
+        }
+    }
+}
+
+#[test]
 fn table_row_wise_over_two_hosts_trains_like_one_rank() {
     let one = train(1, "table_row_wise", false);
     for (world, per_host) in [(4, "2"), (2, "1")] {
@@ -324,7 +356,7 @@ fn the_shipped_two_rank_recipe_learns_the_planted_signal() {
 fn a_failing_rank_stops_the_others_with_its_own_error() {
     let registry = Registry::builtin().sampler::<Slices>();
     let dir = std::env::temp_dir().join(format!("trainrec-dist-fail-{}", std::process::id()));
-    let path = recipe(&dir, 3, "row_wise", false);
+    let path = recipe(&dir, 3, "row_wise", false, false);
     let options = LoadOptions { overrides: vec!["data.sampler.fail_at=[1, 2]".into()], env: false };
     let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     let start = std::time::Instant::now();

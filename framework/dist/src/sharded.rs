@@ -1338,6 +1338,32 @@ impl ShardedEbc {
         parts.load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
     }
 
+    /// Re-initialises rows `rows` of table `name` (its global row numbers) with `key`, as
+    /// [`EmbeddingBagCollection::reset_rows`] does on the unsharded table: each rank resets
+    /// its shards' blocks of those rows (replicas reset whole rows). Not collective; every
+    /// rank must do it with the same rows.
+    pub fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), DistError> {
+        let ti = self.table_index(name)?;
+        let t = &self.tables[ti];
+        if self.shardings[ti].sharding_type == ShardingType::DataParallel {
+            let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
+            return dp.reset_rows(name, rows, key).map_err(module);
+        }
+        let me = self.pg.rank();
+        for (si, sh) in self.shardings[ti].shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
+            let local: Vec<u64> = rows.iter().filter(|r| sh.rows.contains(r)).map(|r| r - sh.rows.start).collect();
+            if local.is_empty() {
+                continue;
+            }
+            let block =
+                trainrec_embedding::RowBlock { row_offset: sh.rows.start, cols: sh.cols.clone(), full_dim: t.dim };
+            let lname = self.local_names[ti][si].as_deref().expect("a local shard has a local table");
+            let l = self.local.as_mut().expect("local shards");
+            l.reset_block_rows(lname, &local, key, &block, t.rows).map_err(module)?;
+        }
+        Ok(())
+    }
+
     /// This rank's shards of every table with their place in the table, weights and optimizer
     /// state (the fused parameters of the state dict). Not collective.
     pub fn local_shards(&self) -> Vec<LocalShard> {

@@ -208,14 +208,29 @@ impl Core {
 
     /// Re-initialises rows of table `name` (uniform in the table's init bound, from `key`),
     /// optimizer state zero. Rows outside the table are an error (nothing changed).
-    pub(crate) fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), EmbeddingError> {
+    pub(crate) fn reset_rows(
+        &mut self,
+        name: &str,
+        rows: &[u64],
+        key: u64,
+        block: Option<(&crate::tbe::RowBlock, u64)>,
+    ) -> Result<(), EmbeddingError> {
         let t = &self.tables[self.table_or_err(name)?];
         let n = t.config.rows;
         if let Some(r) = rows.iter().find(|&&r| r >= n) {
             return Err(EmbeddingError::Shape(format!("table \"{name}\" has {n} rows, cannot reset row {r}")));
         }
-        let bound = (1.0 / n as f64).sqrt() as f32;
-        dispatch!(&mut self.groups[t.group], g => g.reset_rows(t.local, rows, bound, key));
+        let whole = crate::tbe::RowBlock { row_offset: 0, cols: 0..t.config.dim, full_dim: t.config.dim };
+        // A block draws from the whole table's init bound (its rows).
+        let (block, table_rows) = block.unwrap_or((&whole, n));
+        if block.cols.len() != t.config.dim || block.cols.end > block.full_dim {
+            return Err(EmbeddingError::Shape(format!(
+                "table \"{name}\" is {} wide but its block says columns {:?} of {}",
+                t.config.dim, block.cols, block.full_dim
+            )));
+        }
+        let bound = (1.0 / table_rows as f64).sqrt() as f32;
+        dispatch!(&mut self.groups[t.group], g => g.reset_rows(t.local, rows, bound, key, block));
         Ok(())
     }
 

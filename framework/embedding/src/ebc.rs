@@ -5,6 +5,7 @@ use trainrec_sparse::{KeyedJaggedTensor, KeyedTensor};
 
 use crate::collection::{Core, dispatch};
 use crate::tbe::PoolArgs;
+use crate::tbe::RowBlock;
 use crate::{BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig};
 
 /// Unsharded pooled embedding lookups over several tables, with the sparse optimizer fused
@@ -80,7 +81,21 @@ impl EmbeddingBagCollection {
     /// (`±1/sqrt(rows)`) drawn from `key` and each row, optimizer state zero. Managed
     /// collisions reset the rows whose slot changed hands this way.
     pub fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), EmbeddingError> {
-        self.core.reset_rows(name, rows, key)
+        self.core.reset_rows(name, rows, key, None)
+    }
+
+    /// [`Self::reset_rows`] for a table that is a shard `block` of a larger table of
+    /// `table_rows` rows: each row gets its columns of the larger table's row, so a sharded
+    /// table resets to the values the unsharded one would.
+    pub fn reset_block_rows(
+        &mut self,
+        name: &str,
+        rows: &[u64],
+        key: u64,
+        block: &RowBlock,
+        table_rows: u64,
+    ) -> Result<(), EmbeddingError> {
+        self.core.reset_rows(name, rows, key, Some((block, table_rows)))
     }
 
     /// Sets the optimizer steps of table `name` (and of the tables packed with it), e.g. when

@@ -31,6 +31,7 @@ pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};
 pub use position::PositionWeightedModule;
 pub use precision::Weight;
+pub use tbe::RowBlock;
 
 /// Why an embedding operation failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -63,6 +64,21 @@ pub enum EmbeddingError {
         id: i64,
         /// Rows of the table.
         rows: u64,
+    },
+    /// A raw id outside a managed-collision table's id space.
+    #[error(
+        "raw id {id} of feature \"{feature}\" is outside table \"{table}\"'s id space 0..{input_hash_size} \
+         (tables.mc.input_hash_size)"
+    )]
+    RawIdOutOfRange {
+        /// The table.
+        table: String,
+        /// The feature.
+        feature: String,
+        /// The offending id.
+        id: i64,
+        /// The table's `input_hash_size`.
+        input_hash_size: u64,
     },
     /// Inputs whose shapes disagree.
     #[error("shape mismatch: {0}")]

@@ -258,7 +258,7 @@ impl ManagedCollision {
                 e.1 = step;
             }
         }
-        let reset = if step % self.config.eviction_interval == 0 { self.evict() } else { Vec::new() };
+        let reset = if step.is_multiple_of(self.config.eviction_interval) { self.evict() } else { Vec::new() };
         let mut fallbacks = 0u64;
         let mut lookups = 0u64;
         for ids in features.iter_mut() {

@@ -49,6 +49,18 @@ pub(crate) struct PoolArgs<'a> {
     pub mean: bool,
 }
 
+/// Where a table sits in a larger one (a shard): its first row there, its columns and the
+/// larger table's width.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowBlock {
+    /// The block's first row in the larger table.
+    pub row_offset: u64,
+    /// The block's columns of the larger table.
+    pub cols: std::ops::Range<usize>,
+    /// Columns of the larger table.
+    pub full_dim: usize,
+}
+
 /// The tables of one group.
 pub(crate) struct Tbe<T: Weight + Pod> {
     pub slots: Vec<Slot>,
@@ -149,15 +161,19 @@ impl<T: Weight + Pod> Tbe<T> {
         });
     }
 
-    /// Re-initialises rows `rows` of table `t`: weights uniform in `±bound` drawn from `key`
-    /// and the row, optimizer state zero (a managed-collision slot that changed hands).
-    pub(crate) fn reset_rows(&mut self, t: usize, rows: &[u64], bound: f32, key: u64) {
+    /// Re-initialises rows `rows` of table `t`, a block of a larger table (its rows from
+    /// `row_offset`, its columns `cols` of `full_dim`): each row of the larger table is drawn
+    /// uniform in `±bound` from `key` and the row's index there, and the block keeps its
+    /// columns; optimizer state zero (a managed-collision slot that changed hands).
+    pub(crate) fn reset_rows(&mut self, t: usize, rows: &[u64], bound: f32, key: u64, block: &RowBlock) {
         let Slot { dim, w_off, s_off, spr, .. } = self.slots[t];
+        let mut full = vec![0f32; block.full_dim];
         for &r in rows {
-            let mut rng = init_rng(key, r as usize);
+            let mut rng = init_rng(key, (r + block.row_offset) as usize);
+            full.iter_mut().for_each(|x| *x = init_value(&mut rng, bound));
             let w = &mut self.weights.as_mut_slice()[w_off + r as usize * dim..][..dim];
-            for x in w {
-                *x = T::from_f32(init_value(&mut rng, bound));
+            for (x, &v) in w.iter_mut().zip(&full[block.cols.clone()]) {
+                *x = T::from_f32(v);
             }
             self.state.as_mut_slice()[s_off + r as usize * spr..][..spr].fill(0.0);
         }

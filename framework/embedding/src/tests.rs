@@ -941,3 +941,17 @@ fn reset_rows_reinitialises_weights_and_state_of_those_rows_only() {
     assert_ne!(&again[12..15], &w2[12..15]);
     assert!(ebc.reset_rows("a", &[6], 1).unwrap_err().to_string().contains("has 6 rows, cannot reset row 6"));
 }
+
+#[test]
+fn a_block_resets_to_its_part_of_the_whole_tables_row() {
+    let sgd = SparseOptimizerConfig::Sgd { lr: 0.1 };
+    let mut whole =
+        EmbeddingBagCollection::new(vec![table("w", 6, 4, PoolingMode::Sum, &["x"])], sgd.clone(), 1).unwrap();
+    whole.reset_rows("w", &[4], 9).unwrap();
+    let mut part = EmbeddingBagCollection::new(vec![table("p", 3, 2, PoolingMode::Sum, &["x"])], sgd, 1).unwrap();
+    let block = crate::RowBlock { row_offset: 3, cols: 2..4, full_dim: 4 };
+    part.reset_block_rows("p", &[1], 9, &block, 6).unwrap();
+    assert_eq!(&part.table_weights("p").unwrap()[2..4], &whole.table_weights("w").unwrap()[4 * 4 + 2..4 * 4 + 4]);
+    let bad = crate::RowBlock { row_offset: 3, cols: 1..4, full_dim: 4 };
+    assert!(part.reset_block_rows("p", &[1], 9, &bad, 6).is_err());
+}

@@ -114,6 +114,15 @@ impl SparseArch {
         }
     }
 
+    /// Re-initialises rows of table `name` (a managed-collision slot changed hands).
+    pub(crate) fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), EngineError> {
+        match self {
+            Self::Local(ebc) => ebc.reset_rows(name, rows, key)?,
+            Self::Sharded(s) => s.reset_rows(name, rows, key)?,
+        }
+        Ok(())
+    }
+
     /// The weights of table `name`, `[rows, dim]` row-major (collective when sharded).
     pub(crate) fn table_weights(&self, name: &str) -> Result<Option<Vec<f32>>, EngineError> {
         match self {

@@ -68,6 +68,8 @@ pub struct Job {
     plan: trainrec_planner::Plan,
     /// What `recall_at_k` ranks, when the recipe asks for it.
     retrieval: Option<RetrievalSpec>,
+    /// The managed-collision tables (raw ids remapped before the lookup).
+    mc: crate::mc::McTables,
 }
 
 /// The corpus and cut-offs of a `recall_at_k` metric.
@@ -234,8 +236,10 @@ impl Job {
 
         let mut feature_rows = BTreeMap::new();
         for table in &recipe.tables {
+            // A managed-collision table's features carry raw ids of its larger id space.
+            let space = table.mc.as_ref().map_or(table.rows, |mc| mc.input_hash_size);
             for f in &table.features {
-                feature_rows.insert(FeatureRef::parse(f).input.to_string(), table.rows);
+                feature_rows.insert(FeatureRef::parse(f).input.to_string(), space);
             }
         }
         let kind = recipe.data.sampler.kind().unwrap_or_default();
@@ -301,6 +305,7 @@ impl Job {
         let retrieval =
             retrieval_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
+        let mc = crate::mc::McTables::new(&recipe)?;
         Ok(Self {
             recipe,
             resolved_toml,
@@ -316,6 +321,7 @@ impl Job {
             plugin_metrics,
             plan,
             retrieval,
+            mc,
         })
     }
 
@@ -368,6 +374,21 @@ impl Job {
         batch: &Batch,
         want_predictions: bool,
     ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
+        let remapped;
+        let batch = if self.mc.is_empty() {
+            batch
+        } else {
+            // Managed collisions: raw ids counted and remapped to rows; the rows of slots that
+            // changed hands start afresh before the lookup.
+            let mut b = batch.clone();
+            b.sparse = crate::dist::full_batch(&b.sparse)?.into_owned();
+            let pg = self.sync.as_ref().map(|s| s.pg.as_ref());
+            for (table, rows, key) in self.mc.train(&mut b.sparse, pg)? {
+                self.sparse.reset_rows(&table, &rows, key)?;
+            }
+            remapped = b;
+            &remapped
+        };
         let (dense, sparse, labels, ctx) = self.tensors(batch)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = crate::dist::full_batch(&batch.sparse)?;
@@ -445,6 +466,14 @@ impl Job {
                     }
                 }
             };
+            let batch = if self.mc.is_empty() {
+                batch
+            } else {
+                let mut b = batch;
+                b.sparse = crate::dist::full_batch(&b.sparse)?.into_owned();
+                self.mc.eval(&mut b.sparse)?;
+                b
+            };
             let (dense, sparse, labels, _) = self.tensors(&batch)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
@@ -500,6 +529,11 @@ impl Job {
         let mut out = crate::dmp::dense_entries(&self.vs);
         out.extend(crate::dmp::shard_entries("sparse", &self.sparse.local_shards()));
         out
+    }
+
+    /// Each managed-collision table's statistics (the same on every rank).
+    pub fn mc_stats(&self) -> BTreeMap<String, trainrec_embedding::mc::McStats> {
+        self.mc.stats()
     }
 
     /// This rank's shards of every table with their fused optimizer's state.
@@ -728,6 +762,7 @@ impl Job {
                     }
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
+                    values.extend(self.mc.metric_values());
                     train_values.extend(values);
                 }
                 if let (Some(every), Some(suites)) = (train.metrics_every, &train_suites)

@@ -6,6 +6,7 @@ pub mod dist;
 pub mod dmp;
 pub mod error;
 pub mod job;
+mod mc;
 pub mod plan;
 pub mod reference;
 pub mod tensors;

@@ -274,6 +274,51 @@ pub struct TableSection {
     /// load factor is set), ...
     #[serde(default)]
     pub constraints: Constraints,
+    /// Managed collisions (zero-collision hashing): the features' raw ids come from a larger
+    /// id space (`input_hash_size`) and the most useful ones each get a row of their own.
+    #[serde(default)]
+    pub mc: Option<ManagedCollisionSection>,
+}
+
+/// `[tables.mc]`: managed collisions for one table (TorchRec's `MCHManagedCollisionModule`).
+/// Training steps count the raw ids over windows of `eviction_interval` steps; at the end of
+/// each window the policy picks the ids that hold the slots, and a slot that changes hands has
+/// its row and optimizer state re-initialised.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ManagedCollisionSection {
+    /// Slots for tracked ids, at most `rows`. Default: `rows`, and untracked ids share the
+    /// last row, which is kept for them (so `rows - 1` ids are tracked). Fewer than `rows`:
+    /// untracked ids are hashed into the other `rows - zch_size` rows.
+    #[serde(default)]
+    pub zch_size: Option<u64>,
+    /// Size of the raw id space: samplers hash this table's features into
+    /// `0..input_hash_size` instead of `0..rows`. Default: 2^63 (raw ids as they come).
+    #[serde(default = "defaults::input_hash_size")]
+    pub input_hash_size: u64,
+    /// Which ids keep the slots: `lfu` (most frequent, counts accumulated over windows),
+    /// `lru` (most recently seen) or `distance_lfu` (counts divided by a power of the age).
+    #[serde(default)]
+    pub eviction_policy: McPolicy,
+    /// Exponent of the age in the `lru` and `distance_lfu` scores. Default: 1.
+    #[serde(default = "defaults::decay_exponent")]
+    pub decay_exponent: f64,
+    /// Training steps per eviction window. Default: 100.
+    #[serde(default = "defaults::eviction_interval")]
+    pub eviction_interval: u64,
+}
+
+/// A managed-collision eviction policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McPolicy {
+    /// Least frequently used ids are evicted.
+    #[default]
+    Lfu,
+    /// Least recently used ids are evicted.
+    Lru,
+    /// Ids with the lowest count / age^decay_exponent are evicted.
+    DistanceLfu,
 }
 
 /// `[embedding]`: options of the embedding engine.
@@ -505,6 +550,18 @@ pub mod defaults {
     /// Default `tables[].pooling`.
     pub fn pooling() -> PoolingMode {
         PoolingMode::Sum
+    }
+    /// Default `tables[].mc.input_hash_size`: 2^63.
+    pub fn input_hash_size() -> u64 {
+        1 << 63
+    }
+    /// Default `tables[].mc.decay_exponent`.
+    pub fn decay_exponent() -> f64 {
+        1.0
+    }
+    /// Default `tables[].mc.eviction_interval`.
+    pub fn eviction_interval() -> u64 {
+        100
     }
     /// Default `stochastic_rounding` (FBGEMM: `True`).
     pub fn stochastic_rounding() -> bool {

@@ -172,6 +172,44 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             }
         }
     }
+    // Managed collisions: settings in range, and the table's features its own (their raw ids
+    // come from the larger id space, which no other table could read).
+    for (t, table) in recipe.tables.iter().enumerate() {
+        let Some(mc) = &table.mc else { continue };
+        let mp = tables.index(t).key("mc");
+        let zch = mc.zch_size.unwrap_or(table.rows);
+        if zch == 0 || zch > table.rows {
+            out.push(
+                Diagnostic::new(
+                    mp.key("zch_size"),
+                    format!("zch_size = {zch} must be in 1..={} (the table's rows)", table.rows),
+                )
+                .with_help("leave it out to track rows - 1 ids and keep the last row for the others"),
+            );
+        } else if zch == table.rows && table.rows < 2 {
+            out.push(Diagnostic::new(tables.index(t).key("rows"), "a managed-collision table needs at least 2 rows"));
+        }
+        if mc.input_hash_size == 0 {
+            out.push(Diagnostic::new(mp.key("input_hash_size"), "input_hash_size must be at least 1"));
+        }
+        if mc.eviction_interval == 0 {
+            out.push(Diagnostic::new(mp.key("eviction_interval"), "eviction_interval must be at least 1"));
+        }
+        positive_f64(&mut out, mp.key("decay_exponent"), mc.decay_exponent);
+        for (f, feature) in table.features.iter().enumerate() {
+            let input = FeatureRef::parse(feature).input;
+            let users = used_by.get(input).map_or(0, Vec::len);
+            if users > 1 {
+                out.push(
+                    Diagnostic::new(
+                        tables.index(t).key("features").index(f),
+                        format!("feature \"{input}\" feeds a managed-collision table and {} other table(s)", users - 1),
+                    )
+                    .with_help("a managed-collision table reads raw ids; give it features no other table reads"),
+                );
+            }
+        }
+    }
     let mut shared: Vec<_> = used_by.into_iter().filter(|(_, uses)| uses.len() > 1).collect();
     shared.sort();
     for (input, uses) in shared {

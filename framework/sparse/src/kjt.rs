@@ -252,6 +252,22 @@ impl KeyedJaggedTensor {
     pub fn offset_per_key(&self) -> Vec<usize> {
         self.key_bags.iter().map(|&b| self.offsets[b]).collect()
     }
+    /// Every key's ids, mutable, one slice per key (key order), e.g. to remap ids in place.
+    pub fn values_per_key_mut(&mut self) -> Vec<&mut [i64]> {
+        let mut out = Vec::with_capacity(self.keys.len());
+        let mut rest: &mut [i64] = &mut self.values;
+        let mut at = 0;
+        for w in self.key_bags.windows(2) {
+            let (start, end) = (self.offsets[w[0]], self.offsets[w[1]]);
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+            let (mine, tail) = tail.split_at_mut(end - start);
+            out.push(mine);
+            rest = tail;
+            at = end;
+        }
+        out
+    }
+
     /// The bags of key `k` (an empty view when out of range).
     pub fn feature(&self, k: usize) -> FeatureView<'_> {
         let (b0, b1) = match (self.key_bags.get(k), self.key_bags.get(k + 1)) {
@@ -505,6 +521,20 @@ mod tests {
 
     fn keys(k: &[&str]) -> Vec<String> {
         k.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn values_per_key_mut_gives_each_keys_ids() {
+        let mut k =
+            KeyedJaggedTensor::new(keys(&["a", "b", "c"]), vec![1, 2, 3, 4, 5], None, vec![2, 0, 0, 0, 1, 2], 2)
+                .unwrap();
+        let mut per = k.values_per_key_mut();
+        assert_eq!(per.len(), 3);
+        assert_eq!((&*per[0], &*per[1], &*per[2]), (&[1, 2][..], &[][..], &[3, 4, 5][..]));
+        per[2][0] = 30;
+        per[0][1] = 20;
+        assert_eq!(k.values(), &[1, 20, 30, 4, 5]);
+        assert_eq!(k.feature(2).bag(1), &[4, 5]);
     }
 
     /// keys a, b; stride 2: a = [[1,2],[3]], b = [[],[4,5,6]]
