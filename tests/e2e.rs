@@ -353,7 +353,7 @@ fn managed_collisions_beat_modulo_hashing_on_the_criteo_sample() {
         let s = run(&mc_recipe, &common);
         with_mc += s.eval["auc"] / 4.0;
         let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        let last_train = log.lines().filter(|l| l.contains("mc/t_c3/")).next_back().unwrap();
+        let last_train = log.lines().rfind(|l| l.contains("mc/t_c3/")).unwrap();
         let v: serde_json::Value = serde_json::from_str(last_train).unwrap();
         let rate = v["metrics"]["mc/t_c3/collision_rate"].as_f64().unwrap();
         let tracked = v["metrics"]["mc/t_c3/tracked_fraction"].as_f64().unwrap();
