@@ -9,6 +9,7 @@ use std::time::Instant;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
+use rayon::prelude::*;
 use serde_json::{Value, json};
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -53,6 +54,10 @@ pub struct EbcBench {
     pub threads: usize,
     /// Seed of ids, gradient and weights.
     pub seed: u64,
+    /// Also time the step with managed collisions on every table (LFU, every `rows` slots,
+    /// this eviction interval), raw ids a fixed 40-bit hash of the rows: the remap's cost
+    /// against the plain step of the same run.
+    pub mc_interval: Option<u64>,
 }
 
 /// Busy core-seconds of the whole machine and of this process (Linux `/proc`), to report
@@ -213,6 +218,10 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
             fwd.push(t.elapsed().as_secs_f64());
         }
         let busy_fwd = if a.fwd_steps > 0 { others_busy(c1, cpu_snapshot()) } else { Value::Null };
+        let mc = match a.mc_interval {
+            Some(interval) => Some(time_mc(a, interval, &batches, &grad, &mut ebc, &ts)?),
+            None => None,
+        };
         let (t, b, l, d) = (a.tables as f64, a.batch as f64, a.pooling as f64, a.dim as f64);
         let lookups = t * b * l;
         let uniq_rows = uniq * t;
@@ -243,10 +252,98 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
             "implied_GBps_at_median": (bytes_fwd + bytes_bwd) / median / 1e9,
             "fwd_implied_GBps_at_median": fwd_gbps,
             "build_s": build_s,
+            "mc": mc,
             "env": {
                 "threads": threads,
                 "others_busy_cores_timed": [busy_step, busy_fwd],
             },
         }))
     })
+}
+
+/// The managed-collision variant of the step (see [`EbcBench::mc_interval`]): each step copies
+/// the batch's raw ids, remaps them table by table (profiling, evicting every `interval`
+/// steps and re-initialising the rows that changed hands), then runs the same forward and
+/// fused backward. Warms up for two windows first.
+fn time_mc(
+    a: &EbcBench,
+    interval: u64,
+    batches: &[KeyedJaggedTensor],
+    grad: &[f32],
+    ebc: &mut EmbeddingBagCollection,
+    plain: &[f64],
+) -> Result<Value, EmbeddingError> {
+    use crate::mc::{EvictionPolicy, ManagedCollision, McConfig};
+    let config = McConfig {
+        rows: a.rows,
+        zch_size: a.rows,
+        input_hash_size: 1 << 40,
+        policy: EvictionPolicy::Lfu,
+        eviction_interval: interval,
+    };
+    let mut modules: Vec<ManagedCollision> = (0..a.tables)
+        .map(|_| ManagedCollision::new(config.clone()))
+        .collect::<Result<_, _>>()
+        .map_err(EmbeddingError::Config)?;
+    // Raw ids: a fixed 40-bit hash of (table, row), distinct per row.
+    let raw: Vec<KeyedJaggedTensor> = batches
+        .iter()
+        .map(|k| {
+            let mut k = k.clone();
+            for (t, ids) in k.values_per_key_mut().into_iter().enumerate() {
+                for id in ids {
+                    *id = ((*id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((t as u64) << 56)) as i64
+                        & ((1 << 40) - 1);
+                }
+            }
+            k
+        })
+        .collect();
+    let mut it = 0usize;
+    let mut step = |ebc: &mut EmbeddingBagCollection| -> Result<(f64, f64), EmbeddingError> {
+        let t0 = Instant::now();
+        let mut kjt = raw[it % raw.len()].clone();
+        it += 1;
+        // Tables in parallel (each table's module is independent).
+        let resets: Vec<(usize, Vec<u64>, u64)> = modules
+            .par_iter_mut()
+            .zip(kjt.values_per_key_mut())
+            .enumerate()
+            .map(|(t, (m, ids))| (t, m.train_step(&mut [ids]), m.stats().evictions))
+            .filter(|(_, rows, _)| !rows.is_empty())
+            .collect();
+        for (t, rows, round) in resets {
+            ebc.reset_rows(&format!("t{t}"), &rows, a.seed ^ round)?;
+        }
+        let remap = t0.elapsed().as_secs_f64();
+        std::hint::black_box(ebc.forward(&kjt)?.values());
+        ebc.backward_and_update(&kjt, grad)?;
+        Ok((t0.elapsed().as_secs_f64(), remap))
+    };
+    for _ in 0..(a.warmup as u64).max(2 * interval) {
+        step(ebc)?;
+    }
+    let (mut ts, mut remaps) = (Vec::with_capacity(a.steps), Vec::with_capacity(a.steps));
+    for _ in 0..a.steps {
+        let (t, r) = step(ebc)?;
+        ts.push(t);
+        remaps.push(r);
+    }
+    let median = |v: &[f64]| summarize(v)["median_s"].as_f64().unwrap_or(f64::NAN);
+    let stats: Vec<Value> = modules
+        .iter()
+        .map(|m| {
+            let s = m.stats();
+            json!({"collision_rate": s.collision_rate(), "tracked_fraction": s.tracked_fraction(), "evictions": s.evictions})
+        })
+        .collect();
+    Ok(json!({
+        "eviction_interval": interval,
+        "step": summarize(&ts),
+        "remap": summarize(&remaps),
+        "samples_per_s": rate(&ts, a.batch as f64),
+        "overhead_vs_plain": median(&ts) / median(plain) - 1.0,
+        "remap_fraction_of_plain": median(&remaps) / median(plain),
+        "tables": stats,
+    }))
 }

@@ -7,8 +7,8 @@
 //!   tracked), as TorchRec does; with `zch_size < rows` it is plain hashing into the residual
 //!   rows `zch_size..rows` (TorchRec's `mch_size`), so untracked ids still collide only among
 //!   themselves.
-//! - **Profile.** Training batches are counted per id over a window of `eviction_interval`
-//!   steps (count and last step seen).
+//! - **Profile.** Training batches count every raw id (count and last step seen): a tracked
+//!   id into its slot, another into the window of `eviction_interval` steps.
 //! - **Evict.** At the end of each window the tracked set is rebuilt: every slot and every
 //!   new id of the window get a score from the policy, and the best ones keep (or take) the
 //!   slots. Slots that change hands are returned so that their embedding row and optimizer
@@ -20,10 +20,10 @@
 //! - `lru`: `-(t - a + 1)^decay`;
 //! - `distance_lfu`: `count / (t - a + 1)^decay`.
 //!
-//! Empty slots score below everything, so they fill first, lowest slot first. Ties keep the
-//! slot's current id
-//! (existing slots rank before new ids), and new ids rank by count, then by id. The k-th best
-//! new id takes the slot of the k-th best evicted slot, as TorchRec pairs them.
+//! Empty slots score below everything, so they fill first, lowest slot first. On a tie a slot
+//! keeps its id; new ids rank by score, then count, then id. The best new id takes the worst
+//! slot, the second best the second worst, and so on while the new id scores higher: the
+//! tracked ids are the best `slots` of the slots' ids and the window's new ids.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -120,20 +120,157 @@ impl Hasher for IdHasher {
 
 type IdMap<V> = HashMap<i64, V, BuildHasherDefault<IdHasher>>;
 
-/// An empty slot's id.
+/// An empty slot's id (raw ids are never negative).
 const EMPTY: i64 = -1;
 
+/// Ids ahead of the current one whose buckets are prefetched.
+const PREFETCH: usize = 48;
+
+/// One bucket: a tracked raw id plus one (0: vacant, so a zeroed table is empty), its slot
+/// and its count (16 bytes: a lookup that counts touches one cache line).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct Entry {
+    key: u64,
+    slot: u32,
+    count: u32,
+}
+
+// SAFETY: two u32 after a u64, `repr(C)`: no padding, every bit pattern valid, no drop glue.
+unsafe impl crate::storage::Pod for Entry {}
+
+const VACANT: Entry = Entry { key: 0, slot: 0, count: 0 };
+
+#[inline(always)]
+fn stored(id: i64) -> u64 {
+    (id as u64).wrapping_add(1)
+}
+
+/// Raw id -> (slot, count): open addressing with linear probing, at most half full,
+/// backward-shift deletion (no tombstones). The buckets live in transparent huge pages: a
+/// table of a million slots spans 32 MiB, and random lookups into it are TLB-bound with 4 KiB
+/// pages.
+struct IdTable {
+    entries: crate::storage::HugeBuf<Entry>,
+    mask: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for IdTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdTable").field("buckets", &(self.mask + 1)).field("len", &self.len).finish()
+    }
+}
+
+impl IdTable {
+    fn new(slots: usize) -> Result<Self, String> {
+        let buckets = (2 * slots).max(16).next_power_of_two();
+        let entries =
+            crate::storage::HugeBuf::zeroed(buckets, "managed-collision id table").map_err(|e| e.to_string())?;
+        Ok(Self { entries, mask: buckets - 1, len: 0 })
+    }
+
+    #[inline(always)]
+    fn home_of(&self, key: u64) -> usize {
+        mix(key) as usize & self.mask
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, id: i64) {
+        crate::tbe::prefetch(self.entries.as_slice().as_ptr().wrapping_add(self.home_of(stored(id))), 16);
+    }
+
+    #[inline(always)]
+    fn find(&self, id: i64) -> Option<usize> {
+        let key = stored(id);
+        let e = self.entries.as_slice();
+        let mut i = self.home_of(key);
+        loop {
+            let k = e[i].key;
+            if k == key {
+                return Some(i);
+            }
+            if k == 0 {
+                return None;
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    #[inline(always)]
+    fn get(&self, id: i64) -> Option<u32> {
+        self.find(id).map(|i| self.entries.as_slice()[i].slot)
+    }
+
+    /// The slot of `id`, its count raised by one.
+    #[inline(always)]
+    fn hit(&mut self, id: i64) -> Option<u32> {
+        let i = self.find(id)?;
+        let e = &mut self.entries.as_mut_slice()[i];
+        e.count = e.count.saturating_add(1);
+        Some(e.slot)
+    }
+
+    /// Adds `id` (not present) at `slot` with `count`.
+    fn insert(&mut self, id: i64, slot: u32, count: u64) {
+        let key = stored(id);
+        let mask = self.mask;
+        let mut i = self.home_of(key);
+        let e = self.entries.as_mut_slice();
+        while e[i].key != 0 {
+            i = (i + 1) & mask;
+        }
+        e[i] = Entry { key, slot, count: count.min(u64::from(u32::MAX)) as u32 };
+        self.len += 1;
+    }
+
+    fn remove(&mut self, id: i64) {
+        let Some(mut i) = self.find(id) else { return };
+        let mask = self.mask;
+        let home = |k: u64| mix(k) as usize & mask;
+        let e = self.entries.as_mut_slice();
+        // Shift back the entries after the hole that may move into it.
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let k = e[j].key;
+            if k == 0 {
+                break;
+            }
+            let h = home(k);
+            // `k` may fill the hole at `i` unless its home lies cyclically in `(i, j]`.
+            let stays = if i <= j { i < h && h <= j } else { i < h || h <= j };
+            if !stays {
+                e[i] = e[j];
+                i = j;
+            }
+        }
+        e[i] = VACANT;
+        self.len -= 1;
+    }
+
+    /// Each slot's count (slots without an id: 0).
+    fn counts(&self, slots: usize) -> Vec<u64> {
+        let mut out = vec![0u64; slots];
+        for e in self.entries.as_slice().iter().filter(|e| e.key != 0) {
+            out[e.slot as usize] = u64::from(e.count);
+        }
+        out
+    }
+}
+
 /// One table's managed-collision module (see the module docs).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ManagedCollision {
     config: McConfig,
     /// Tracked id -> slot.
-    slot_of: IdMap<u32>,
-    /// Per slot: its id ([`EMPTY`] if none), count and last step seen.
+    slot_of: IdTable,
+    /// Per slot: its id ([`EMPTY`] if none) and last step seen (the count is in `slot_of`;
+    /// the last step is kept only by the policies that read it).
     ids: Vec<i64>,
-    counts: Vec<u64>,
     last_access: Vec<u64>,
-    /// This window's ids: count and last step seen.
+    /// This window's untracked ids: count and last step seen (tracked ids count into their
+    /// slot as they come).
     window: IdMap<(u64, u64)>,
     /// Training steps so far.
     step: u64,
@@ -183,9 +320,8 @@ impl ManagedCollision {
         let stats = McStats { capacity: slots as u64, ..McStats::default() };
         Ok(Self {
             config,
-            slot_of: IdMap::default(),
+            slot_of: IdTable::new(slots)?,
             ids: vec![EMPTY; slots],
-            counts: vec![0; slots],
             last_access: vec![0; slots],
             window: IdMap::default(),
             step: 0,
@@ -210,8 +346,8 @@ impl ManagedCollision {
     /// The row of raw id `id` (tracked: its slot; else the fallback).
     #[inline]
     pub fn row_of(&self, id: i64) -> u64 {
-        match self.slot_of.get(&id) {
-            Some(&s) => u64::from(s),
+        match self.slot_of.get(id) {
+            Some(s) => u64::from(s),
             None => self.fallback(id),
         }
     }
@@ -237,42 +373,74 @@ impl ManagedCollision {
         }
     }
 
-    /// Replaces raw ids by rows (evaluation: no profiling).
-    pub fn remap(&self, ids: &mut [i64]) {
-        for id in ids {
-            *id = self.row_of(*id) as i64;
+    /// Replaces raw ids by rows (evaluation: no profiling); returns how many were not
+    /// tracked.
+    pub fn remap(&self, ids: &mut [i64]) -> u64 {
+        let mut fallbacks = 0;
+        for i in 0..ids.len() {
+            if let Some(&ahead) = ids.get(i + PREFETCH) {
+                self.slot_of.prefetch(ahead);
+            }
+            ids[i] = match self.slot_of.get(ids[i]) {
+                Some(s) => i64::from(s),
+                None => {
+                    fallbacks += 1;
+                    self.fallback(ids[i]) as i64
+                }
+            };
         }
+        fallbacks
     }
 
     /// One training step over the raw ids of every feature of the table (`features`):
-    /// counts them into the window, and at the end of a window rebuilds the tracked set.
-    /// Returns the rows whose slot changed hands (to re-initialise) and remaps the ids in
-    /// place (after the eviction, so a newly admitted id already reads its own row).
+    /// counts them (a tracked id into its slot, another into the window), and at the end of a
+    /// window rebuilds the tracked set. Returns the rows whose slot changed hands (to
+    /// re-initialise) and remaps the ids in place (after the eviction, so a newly admitted id
+    /// already reads its own row). One table lookup per id, two at an eviction step.
     pub fn train_step(&mut self, features: &mut [&mut [i64]]) -> Vec<u64> {
         self.step += 1;
         let step = self.step;
-        for ids in features.iter() {
-            for &id in ids.iter() {
-                let e = self.window.entry(id).or_insert((0, 0));
-                e.0 += 1;
-                e.1 = step;
-            }
-        }
-        let reset = if step.is_multiple_of(self.config.eviction_interval) { self.evict() } else { Vec::new() };
+        let evict_now = step.is_multiple_of(self.config.eviction_interval);
+        let recency = self.config.policy != EvictionPolicy::Lfu;
         let mut fallbacks = 0u64;
         let mut lookups = 0u64;
         for ids in features.iter_mut() {
-            for id in ids.iter_mut() {
-                lookups += 1;
-                *id = match self.slot_of.get(id) {
-                    Some(&s) => i64::from(s),
-                    None => {
-                        fallbacks += 1;
-                        self.fallback(*id) as i64
+            lookups += ids.len() as u64;
+            for i in 0..ids.len() {
+                if let Some(&ahead) = ids.get(i + PREFETCH) {
+                    self.slot_of.prefetch(ahead);
+                }
+                let id = ids[i];
+                match self.slot_of.hit(id) {
+                    Some(s) => {
+                        if recency {
+                            self.last_access[s as usize] = step;
+                        }
+                        if !evict_now {
+                            ids[i] = i64::from(s);
+                        }
                     }
-                };
+                    None => {
+                        let e = self.window.entry(id).or_insert((0, 0));
+                        e.0 += 1;
+                        e.1 = step;
+                        if !evict_now {
+                            fallbacks += 1;
+                            ids[i] = self.fallback(id) as i64;
+                        }
+                    }
+                }
             }
         }
+        let reset = if evict_now {
+            let reset = self.evict();
+            for ids in features.iter_mut() {
+                fallbacks += self.remap(ids);
+            }
+            reset
+        } else {
+            Vec::new()
+        };
         self.stats.lookups += lookups;
         self.stats.fallbacks += fallbacks;
         reset
@@ -291,59 +459,56 @@ impl ManagedCollision {
     /// the slots that took a new id.
     fn evict(&mut self) -> Vec<u64> {
         let window = std::mem::take(&mut self.window);
-        let mut new: Vec<(i64, u64, u64)> = Vec::new();
-        for (&id, &(count, last)) in &window {
-            match self.slot_of.get(&id) {
-                Some(&s) => {
-                    let s = s as usize;
-                    self.counts[s] += count;
-                    self.last_access[s] = last;
-                }
-                None => new.push((id, count, last)),
-            }
-        }
-        // New ids by count (high first), then id: TorchRec's order.
-        new.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        // New ids, best first: by score, then count (high first), then id.
+        let mut new: Vec<(f64, i64, u64, u64)> =
+            window.into_iter().map(|(id, (count, last))| (self.score(count, last), id, count, last)).collect();
+        new.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.2.cmp(&a.2)).then(a.1.cmp(&b.1)));
         let slots = self.ids.len();
-        // Candidates: the occupied slots (index s), the new ids (index slots + i), then the
-        // empty slots, last index first, so that the first empty slots are the ones given out.
-        let occupied = (0..slots).filter(|&s| self.ids[s] != EMPTY);
-        let empty = (0..slots).rev().filter(|&s| self.ids[s] == EMPTY);
-        let mut scored: Vec<(f64, usize)> = occupied
-            .map(|s| (self.score(self.counts[s], self.last_access[s]), s))
-            .chain(new.iter().enumerate().map(|(i, &(_, c, l))| (self.score(c, l), slots + i)))
-            .chain(empty.map(|s| (f64::NEG_INFINITY, s)))
-            .collect();
-        // Best first; ties keep the earlier candidate (slots before new ids): a stable sort.
-        scored.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal));
-        let (keep, rest) = scored.split_at(slots.min(scored.len()));
-        let admitted: Vec<usize> = keep.iter().filter(|&&(_, i)| i >= slots).map(|&(_, i)| i - slots).collect();
-        // The best new ids take the best evicted slots, then the empty slots in order.
-        let mut freed: Vec<usize> =
-            rest.iter().filter(|&&(_, i)| i < slots && self.ids[i] != EMPTY).map(|&(_, i)| i).collect();
-        let mut free_empty: Vec<usize> =
-            rest.iter().filter(|&&(_, i)| i < slots && self.ids[i] == EMPTY).map(|&(_, i)| i).collect();
-        free_empty.sort_unstable();
-        freed.extend(free_empty);
-        debug_assert_eq!(admitted.len(), freed.len());
-        let mut reset = Vec::with_capacity(freed.len());
+        let n = new.len().min(slots);
+        let mut reset = Vec::new();
         let mut evicted = 0;
-        for (&s, &n) in freed.iter().zip(&admitted) {
-            if self.ids[s] != EMPTY {
-                self.slot_of.remove(&self.ids[s]);
-                evicted += 1;
+        if n > 0 {
+            let counts = self.slot_of.counts(slots);
+            // The n worst slots, worst first: empty slots (lowest first), then by score (low
+            // first), ties losing the higher slot.
+            let key = |s: usize| -> (f64, i64) {
+                if self.ids[s] == EMPTY {
+                    (f64::NEG_INFINITY, s as i64)
+                } else {
+                    (self.score(counts[s], self.last_access[s]), -(s as i64))
+                }
+            };
+            let worse = |a: &usize, b: &usize| {
+                let (ka, kb) = (key(*a), key(*b));
+                ka.0.total_cmp(&kb.0).then(ka.1.cmp(&kb.1))
+            };
+            let mut worst: Vec<usize> = (0..slots).collect();
+            if n < slots {
+                worst.select_nth_unstable_by(n - 1, worse);
+                worst.truncate(n);
             }
-            let (id, count, last) = new[n];
-            self.ids[s] = id;
-            self.counts[s] = count;
-            self.last_access[s] = last;
-            self.slot_of.insert(id, s as u32);
-            reset.push(s as u64);
+            worst.sort_unstable_by(worse);
+            let worst: Vec<(usize, f64)> = worst.into_iter().map(|s| (s, key(s).0)).collect();
+            // The k-th best new id takes the k-th worst slot while it scores higher (a slot
+            // keeps its id on a tie): the kept ids are the best `slots` of slots and new ids.
+            for (&(score, id, count, last), &(s, slot_score)) in new.iter().zip(&worst) {
+                if score <= slot_score {
+                    break;
+                }
+                if self.ids[s] != EMPTY {
+                    self.slot_of.remove(self.ids[s]);
+                    evicted += 1;
+                }
+                self.ids[s] = id;
+                self.last_access[s] = last;
+                self.slot_of.insert(id, s as u32, count);
+                reset.push(s as u64);
+            }
         }
         self.stats.evictions += 1;
         self.stats.last_evictions = evicted;
         self.stats.last_admissions = reset.len() as u64;
-        self.stats.tracked = self.slot_of.len() as u64;
+        self.stats.tracked = self.slot_of.len as u64;
         reset.sort_unstable();
         reset
     }
@@ -354,7 +519,7 @@ impl ManagedCollision {
         window.sort_unstable();
         McState {
             ids: self.ids.clone(),
-            counts: self.counts.clone(),
+            counts: self.slot_of.counts(self.ids.len()),
             last_access: self.last_access.clone(),
             step: self.step,
             window,
@@ -367,19 +532,19 @@ impl ManagedCollision {
         if state.ids.len() != slots || state.counts.len() != slots || state.last_access.len() != slots {
             return Err(format!("the state has {} slots, this module {slots}", state.ids.len()));
         }
-        let mut slot_of = IdMap::default();
+        let mut slot_of = IdTable::new(slots)?;
         for (s, &id) in state.ids.iter().enumerate().filter(|(_, id)| **id != EMPTY) {
-            if slot_of.insert(id, s as u32).is_some() {
-                return Err(format!("id {id} is tracked in two slots"));
+            if id < 0 || slot_of.get(id).is_some() {
+                return Err(format!("id {id} is tracked in two slots (or is negative)"));
             }
+            slot_of.insert(id, s as u32, state.counts[s]);
         }
         self.slot_of = slot_of;
         self.ids = state.ids.clone();
-        self.counts = state.counts.clone();
         self.last_access = state.last_access.clone();
         self.step = state.step;
         self.window = state.window.iter().map(|&(id, c, l)| (id, (c, l))).collect();
-        self.stats.tracked = self.slot_of.len() as u64;
+        self.stats.tracked = self.slot_of.len as u64;
         Ok(())
     }
 }
@@ -491,6 +656,30 @@ mod tests {
         let mut again = vec![15];
         m.remap(&mut again);
         assert_eq!(again[0], rows[4]);
+    }
+
+    #[test]
+    fn the_id_table_agrees_with_a_hash_map_under_inserts_and_removals() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        // 40 slots in 128 buckets, ids from a small range: long probe chains and wrap-around.
+        let mut t = IdTable::new(40).unwrap();
+        let mut reference: HashMap<i64, u32> = HashMap::new();
+        for step in 0..20_000u32 {
+            let id = rng.random_range(0..200i64);
+            if reference.contains_key(&id) {
+                if rng.random_bool(0.5) {
+                    t.remove(id);
+                    reference.remove(&id);
+                }
+            } else if reference.len() < 40 {
+                t.insert(id, step, 0);
+                reference.insert(id, step);
+            }
+            let probe = rng.random_range(0..200i64);
+            assert_eq!(t.get(probe), reference.get(&probe).copied(), "step {step}: id {probe}");
+            assert_eq!(t.len, reference.len());
+        }
     }
 
     #[test]

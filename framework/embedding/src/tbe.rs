@@ -75,7 +75,7 @@ pub(crate) struct Tbe<T: Weight + Pod> {
 
 /// Issues a prefetch of the cache lines of `bytes` bytes at `p` (no-op off x86-64).
 #[inline(always)]
-fn prefetch<T>(p: *const T, bytes: usize) {
+pub(crate) fn prefetch<T>(p: *const T, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};

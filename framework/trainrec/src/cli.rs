@@ -466,6 +466,10 @@ pub struct EbcArgs {
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Also time the step with managed collisions on every table (LFU, eviction every N
+    /// steps) and report its cost against the plain step (`mc` in the JSON).
+    #[arg(long)]
+    pub mc_interval: Option<u64>,
 }
 
 impl EbcArgs {
@@ -500,6 +504,7 @@ impl EbcArgs {
             optimizer,
             threads: self.threads,
             seed: self.seed,
+            mc_interval: self.mc_interval,
         }
     }
 }
