@@ -119,18 +119,26 @@ pub struct Case {
     pub local_world_size: usize,
 }
 
+/// A case's global batches (their total size) and this rank's examples of each.
+fn case_batches(pg: &dyn ProcessGroup, case: &Case) -> Result<(usize, Vec<Batch>, std::ops::Range<usize>), String> {
+    let sizes = &case.sizes;
+    if sizes.len() != pg.world_size() {
+        return Err(format!("{}: {} batch sizes for world size {}", case.name, sizes.len(), pg.world_size()));
+    }
+    let total: usize = sizes.iter().sum();
+    let mut rng = StdRng::seed_from_u64(7);
+    let batches: Vec<Batch> = (0..STEPS).map(|_| batch(&mut rng, total, case.weighted)).collect();
+    let start: usize = sizes[..pg.rank()].iter().sum();
+    Ok((total, batches, start..start + sizes[pg.rank()]))
+}
+
 /// Runs `case` on this rank of `pg` (every rank must run the same cases in the same order).
 pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
     if case.sequence {
         return run_sequence_case(pg, case);
     }
-    let (name, sizes) = (&case.name, &case.sizes);
-    if sizes.len() != pg.world_size() {
-        return Err(format!("{name}: {} batch sizes for world size {}", sizes.len(), pg.world_size()));
-    }
-    let total: usize = sizes.iter().sum();
-    let mut rng = StdRng::seed_from_u64(7);
-    let batches: Vec<Batch> = (0..STEPS).map(|_| batch(&mut rng, total, case.weighted)).collect();
+    let name = &case.name;
+    let (total, batches, mine) = case_batches(pg.as_ref(), case)?;
     let e = |e: trainrec_embedding::EmbeddingError| format!("{name}: unsharded: {e}");
     let mut reference = EmbeddingBagCollection::new(tables(), case.optimizer.clone(), 3).map_err(e)?;
     let initial: Vec<Vec<f32>> =
@@ -145,8 +153,6 @@ pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
     }
 
     let r = pg.rank();
-    let start: usize = sizes[..r].iter().sum();
-    let mine = start..start + sizes[r];
     let d = |e: crate::DistError| format!("{name}: rank {r}: {e}");
     let mut ebc = ShardedEbc::new_on_hosts(
         tables(),
@@ -198,13 +204,8 @@ fn sequence_grad(step: usize, o: usize, ids: (usize, usize), dim: usize, total_i
 
 /// [`run_case`] for the [`ShardedEc`]: per-id outputs, output `o` reading key `o`.
 fn run_sequence_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
-    let (name, sizes) = (&case.name, &case.sizes);
-    if sizes.len() != pg.world_size() {
-        return Err(format!("{name}: {} batch sizes for world size {}", sizes.len(), pg.world_size()));
-    }
-    let total: usize = sizes.iter().sum();
-    let mut rng = StdRng::seed_from_u64(7);
-    let batches: Vec<Batch> = (0..STEPS).map(|_| batch(&mut rng, total, case.weighted)).collect();
+    let name = &case.name;
+    let (total, batches, mine) = case_batches(pg.as_ref(), case)?;
     let e = |e: trainrec_embedding::EmbeddingError| format!("{name}: unsharded: {e}");
     let mut reference = EmbeddingCollection::new(tables(), case.optimizer.clone(), 3).map_err(e)?;
     let initial: Vec<Vec<f32>> =
@@ -225,8 +226,6 @@ fn run_sequence_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), Strin
     }
 
     let r = pg.rank();
-    let start: usize = sizes[..r].iter().sum();
-    let mine = start..start + sizes[r];
     let d = |e: crate::DistError| format!("{name}: rank {r}: {e}");
     let mut ec = ShardedEc::new(tables(), case.shardings.clone(), case.optimizer.clone(), 99, pg).map_err(d)?;
     if ec.output_keys() != KEYS {

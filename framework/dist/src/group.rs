@@ -269,6 +269,18 @@ pub(crate) fn check_gather(
     Ok(())
 }
 
+/// Where each of `counts` consecutive parts starts (exclusive prefix sums).
+pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let o = *at;
+            *at += c;
+            Some(o)
+        })
+        .collect()
+}
+
 /// Checks that a root rank is in the group.
 pub(crate) fn check_root(op: &'static str, root: usize, world: usize) -> Result<(), DistError> {
     if root >= world {

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp, group_end, group_start};
 
-use crate::group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp, check_counts, check_gather, check_root};
+use crate::group::{
+    DistError, ProcessGroup, ProcessGroupExt, ReduceOp, check_counts, check_gather, check_root, offsets,
+};
 
 struct State {
     comm: Comm,
@@ -169,17 +171,6 @@ fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, src: &CudaSlice<T>, out: &m
         .memcpy_dtoh(&src.slice(..out.len()), out)
         .and_then(|()| stream.synchronize())
         .map_err(|e| DistError::Module(format!("NCCL backend: device to host copy: {e:?}")))
-}
-
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |at, &c| {
-            let o = *at;
-            *at += c;
-            Some(o)
-        })
-        .collect()
 }
 
 fn nccl_op(op: ReduceOp) -> NcclOp {

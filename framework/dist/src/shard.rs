@@ -13,6 +13,7 @@ use std::sync::Arc;
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection};
 use trainrec_planner::Plan;
 
+use crate::sharded::LocalTables;
 use crate::{DistError, ProcessGroup, ShardedEbc, ShardedEc, TableSharding};
 
 /// Where each table goes, by table name (TorchRec's per-parameter sharding plan).
@@ -70,10 +71,7 @@ pub fn shard_ebc(
     let tables: Vec<EmbeddingBagConfig> = ebc.table_configs().cloned().collect();
     let shardings = plan.shardings_for(&tables)?;
     let mut sharded = ShardedEbc::new(tables.clone(), shardings, ebc.optimizer().clone(), 0, pg)?;
-    for t in &tables {
-        let (w, s) = (ebc.table_weights(&t.name).unwrap_or_default(), ebc.optimizer_state(&t.name));
-        sharded.load_table(&t.name, &w, s.as_deref(), ebc.step_count(&t.name))?;
-    }
+    copy_tables(ebc, &tables, |name, w, s, n| sharded.load_table(name, w, s, n))?;
     Ok(sharded)
 }
 
@@ -86,11 +84,20 @@ pub fn shard_ec(
     let tables: Vec<EmbeddingBagConfig> = ec.table_configs().cloned().collect();
     let shardings = plan.shardings_for(&tables)?;
     let mut sharded = ShardedEc::new(tables.clone(), shardings, ec.optimizer().clone(), 0, pg)?;
-    for t in &tables {
-        let (w, s) = (ec.table_weights(&t.name).unwrap_or_default(), ec.optimizer_state(&t.name));
-        sharded.load_table(&t.name, &w, s.as_deref(), ec.step_count(&t.name))?;
-    }
+    copy_tables(ec, &tables, |name, w, s, n| sharded.load_table(name, w, s, n))?;
     Ok(sharded)
+}
+
+/// Hands each table's weights, optimizer state and step count from `src` to `load`.
+fn copy_tables<L: LocalTables>(
+    src: &L,
+    tables: &[EmbeddingBagConfig],
+    mut load: impl FnMut(&str, &[f32], Option<&[f32]>, Option<u64>) -> Result<(), DistError>,
+) -> Result<(), DistError> {
+    for t in tables {
+        load(&t.name, &src.weights(&t.name).unwrap_or_default(), src.state(&t.name).as_deref(), src.steps(&t.name))?;
+    }
+    Ok(())
 }
 
 /// One named module of a model: an embedding collection, or anything else (`O`: the dense

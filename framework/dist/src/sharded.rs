@@ -46,7 +46,7 @@ use trainrec_embedding::{
 use trainrec_planner::{ShardingType, TablePlan};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::group::{DistError, ProcessGroup, ProcessGroupExt};
+use crate::group::{DistError, ProcessGroup, ProcessGroupExt, offsets};
 
 /// One block of a table on one rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -466,12 +466,7 @@ pub(crate) fn gather_table(
     let all = pg.all_gather_v(&mine, &counts)?;
     // Rank-order blocks, each rank's shards in shard order.
     let mut full = vec![0f32; table.rows as usize * table.dim];
-    let mut at: Vec<usize> = Vec::with_capacity(counts.len());
-    let mut acc = 0;
-    for c in &counts {
-        at.push(acc);
-        acc += c;
-    }
+    let mut at = offsets(&counts);
     for sh in &sharding.shards {
         let n = sh.cols.len();
         for r in sh.rows.clone() {
@@ -595,13 +590,47 @@ pub(crate) struct Parts<'a> {
     pub(crate) optimizer: &'a SparseOptimizerConfig,
 }
 
+/// The [`Parts`] of a sharded collection `$c` (its `tables`, `shardings`, `local_names`,
+/// `optimizer` and group), borrowed field by field so that its local collections can be
+/// changed meanwhile.
+macro_rules! parts {
+    ($c:expr) => {
+        $crate::sharded::Parts {
+            tables: &$c.tables,
+            shardings: &$c.shardings,
+            local_names: &$c.local_names,
+            me: $c.pg.rank(),
+            optimizer: &$c.optimizer,
+        }
+    };
+}
+pub(crate) use parts;
+
 impl Parts<'_> {
-    fn index(&self, name: &str) -> Result<usize, DistError> {
+    pub(crate) fn index(&self, name: &str) -> Result<usize, DistError> {
         self.tables.iter().position(|t| t.name == name).ok_or_else(|| DistError::Module(format!("no table '{name}'")))
     }
 
     fn optimizer_of(&self, ti: usize) -> &SparseOptimizerConfig {
         self.tables[ti].optimizer.as_ref().unwrap_or(self.optimizer)
+    }
+
+    /// The whole table `name` as fp32 `[rows, dim]`: a replica's own copy, or every rank's
+    /// shards assembled (collective).
+    pub(crate) fn table_weights<L: LocalTables>(
+        &self,
+        pg: &dyn ProcessGroup,
+        local: Option<&L>,
+        dp: Option<&L>,
+        name: &str,
+    ) -> Result<Vec<f32>, DistError> {
+        let ti = self.index(name)?;
+        if self.shardings[ti].sharding_type == ShardingType::DataParallel {
+            let dp = dp.expect("data-parallel tables have replicas");
+            return dp.weights(name).ok_or_else(|| DistError::Module(format!("no table '{name}'")));
+        }
+        let weights = |lname: &str| local.and_then(|l| l.weights(lname));
+        gather_table(pg, &self.tables[ti], &self.shardings[ti], &self.local_names[ti], weights)
     }
 
     /// This rank's shards and replicas.
@@ -926,18 +955,7 @@ impl ShardedEbc {
         let src_bags: Vec<Vec<usize>> = (0..world).map(|s| (0..n_out).map(|o| at(s, 3 + o)).collect()).collect();
         let bags: Vec<Vec<usize>> =
             (0..mine.len()).map(|j| (0..world).map(|s| src_bags[s][mine[j].output]).collect()).collect();
-        let off: Vec<Vec<usize>> = bags
-            .iter()
-            .map(|bs| {
-                bs.iter()
-                    .scan(0, |a, &n| {
-                        let o = *a;
-                        *a += n;
-                        Some(o)
-                    })
-                    .collect()
-            })
-            .collect();
+        let off: Vec<Vec<usize>> = bags.iter().map(|bs| offsets(bs)).collect();
         let recv_lens: Vec<usize> = (0..world).map(|s| bags.iter().map(|bs| bs[s]).sum()).collect();
         let lengths = self.pg.all_to_all_v(&lengths, &len_counts, &recv_lens)?;
         let values = self.pg.all_to_all_v(&values, &val_counts, &recv_vals)?;
@@ -1299,15 +1317,7 @@ impl ShardedEbc {
     /// The whole table `name` as fp32 `[rows, dim]`, assembled from every rank's shards.
     /// Collective (every rank gets it).
     pub fn table_weights(&self, name: &str) -> Result<Vec<f32>, DistError> {
-        let ti = self.table_index(name)?;
-        let t = &self.tables[ti];
-        let s = &self.shardings[ti];
-        if s.sharding_type == ShardingType::DataParallel {
-            let dp = self.dp.as_ref().expect("data-parallel tables have replicas");
-            return dp.table_weights(name).ok_or_else(|| DistError::Module(format!("no table '{name}'")));
-        }
-        let local = |lname: &str| self.local.as_ref().and_then(|l| l.table_weights(lname));
-        gather_table(self.pg.as_ref(), t, s, &self.local_names[ti], local)
+        parts!(self).table_weights(self.pg.as_ref(), self.local.as_ref(), self.dp.as_ref(), name)
     }
 
     /// Replaces table `name` from its whole `[rows, dim]` fp32 weights: each rank keeps its
@@ -1327,15 +1337,7 @@ impl ShardedEbc {
         optimizer_state: Option<&[f32]>,
         step_count: Option<u64>,
     ) -> Result<(), DistError> {
-        // Field by field: the parts borrow the tables while the collections are changed.
-        let parts = Parts {
-            tables: &self.tables,
-            shardings: &self.shardings,
-            local_names: &self.local_names,
-            me: self.pg.rank(),
-            optimizer: &self.optimizer,
-        };
-        parts.load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
+        parts!(self).load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
     }
 
     /// Re-initialises rows `rows` of table `name` (its global row numbers) with `key`, as
@@ -1343,7 +1345,7 @@ impl ShardedEbc {
     /// its shards' blocks of those rows (replicas reset whole rows). Not collective; every
     /// rank must do it with the same rows.
     pub fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), DistError> {
-        let ti = self.table_index(name)?;
+        let ti = parts!(self).index(name)?;
         let t = &self.tables[ti];
         if self.shardings[ti].sharding_type == ShardingType::DataParallel {
             let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
@@ -1367,21 +1369,7 @@ impl ShardedEbc {
     /// This rank's shards of every table with their place in the table, weights and optimizer
     /// state (the fused parameters of the state dict). Not collective.
     pub fn local_shards(&self) -> Vec<LocalShard> {
-        self.parts().local_shards(self.local.as_ref(), self.dp.as_ref())
-    }
-
-    fn parts(&self) -> Parts<'_> {
-        Parts {
-            tables: &self.tables,
-            shardings: &self.shardings,
-            local_names: &self.local_names,
-            me: self.pg.rank(),
-            optimizer: &self.optimizer,
-        }
-    }
-
-    fn table_index(&self, name: &str) -> Result<usize, DistError> {
-        self.tables.iter().position(|t| t.name == name).ok_or_else(|| DistError::Module(format!("no table '{name}'")))
+        parts!(self).local_shards(self.local.as_ref(), self.dp.as_ref())
     }
 }
 

@@ -23,13 +23,12 @@
 use std::sync::Arc;
 
 use trainrec_embedding::{EmbeddingBagConfig, EmbeddingCollection, SequenceEmbeddings, SparseOptimizerConfig};
-use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::group::{DistError, ProcessGroup, ProcessGroupExt};
 use crate::sharded::{
-    Layout, LocalShard, Output, Parts, Route, check_shardings, gather_table, initial_replica_weights,
-    initial_shard_weights, merge_by_source, module, resolve_inputs,
+    Layout, LocalShard, Output, Route, check_shardings, initial_replica_weights, initial_shard_weights,
+    merge_by_source, module, parts, resolve_inputs,
 };
 use crate::{StepTimes, TableSharding};
 
@@ -377,13 +376,7 @@ impl ShardedEc {
     /// The whole table `name` as fp32 `[rows, dim]`, assembled from every rank's shards.
     /// Collective (every rank gets it).
     pub fn table_weights(&self, name: &str) -> Result<Vec<f32>, DistError> {
-        let ti = self.table_index(name)?;
-        if self.shardings[ti].sharding_type == ShardingType::DataParallel {
-            let dp = self.dp.as_ref().expect("data-parallel tables have replicas");
-            return dp.table_weights(name).ok_or_else(|| DistError::Module(format!("no table '{name}'")));
-        }
-        let local = |lname: &str| self.local.as_ref().and_then(|l| l.table_weights(lname));
-        gather_table(self.pg.as_ref(), &self.tables[ti], &self.shardings[ti], &self.local_names[ti], local)
+        parts!(self).table_weights(self.pg.as_ref(), self.local.as_ref(), self.dp.as_ref(), name)
     }
 
     /// Replaces table `name` from its whole `[rows, dim]` fp32 weights (each rank keeps its
@@ -401,34 +394,12 @@ impl ShardedEc {
         optimizer_state: Option<&[f32]>,
         step_count: Option<u64>,
     ) -> Result<(), DistError> {
-        // Field by field: the parts borrow the tables while the collections are changed.
-        let parts = Parts {
-            tables: &self.tables,
-            shardings: &self.shardings,
-            local_names: &self.local_names,
-            me: self.pg.rank(),
-            optimizer: &self.optimizer,
-        };
-        parts.load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
+        parts!(self).load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
     }
 
     /// This rank's shards of every table (see [`crate::ShardedEbc::local_shards`]).
     pub fn local_shards(&self) -> Vec<LocalShard> {
-        self.parts().local_shards(self.local.as_ref(), self.dp.as_ref())
-    }
-
-    fn parts(&self) -> Parts<'_> {
-        Parts {
-            tables: &self.tables,
-            shardings: &self.shardings,
-            local_names: &self.local_names,
-            me: self.pg.rank(),
-            optimizer: &self.optimizer,
-        }
-    }
-
-    fn table_index(&self, name: &str) -> Result<usize, DistError> {
-        self.tables.iter().position(|t| t.name == name).ok_or_else(|| DistError::Module(format!("no table '{name}'")))
+        parts!(self).local_shards(self.local.as_ref(), self.dp.as_ref())
     }
 }
 

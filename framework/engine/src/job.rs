@@ -381,7 +381,7 @@ impl Job {
             // Managed collisions: raw ids counted and remapped to rows; the rows of slots that
             // changed hands start afresh before the lookup.
             let mut b = batch.clone();
-            b.sparse = crate::dist::full_batch(&b.sparse)?.into_owned();
+            expand_vbe(&mut b.sparse)?;
             let pg = self.sync.as_ref().map(|s| s.pg.as_ref());
             for (table, rows, key) in self.mc.train(&mut b.sparse, pg)? {
                 self.sparse.reset_rows(&table, &rows, key)?;
@@ -470,7 +470,7 @@ impl Job {
                 batch
             } else {
                 let mut b = batch;
-                b.sparse = crate::dist::full_batch(&b.sparse)?.into_owned();
+                expand_vbe(&mut b.sparse)?;
                 self.mc.eval(&mut b.sparse)?;
                 b
             };
@@ -814,6 +814,15 @@ impl Job {
             output_dir: out_dir,
         })
     }
+}
+
+/// Expands a variable-batch (VBE) KJT in place to one bag per example (managed collisions
+/// count every example's ids); any other KJT is left as it is, without a copy.
+fn expand_vbe(kjt: &mut trainrec_sparse::KeyedJaggedTensor) -> Result<(), EngineError> {
+    if let std::borrow::Cow::Owned(full) = crate::dist::full_batch(kjt)? {
+        *kjt = full;
+    }
+    Ok(())
 }
 
 /// The corpus of a recipe's `recall_at_k`, or why the model cannot be ranked that way.
