@@ -123,6 +123,11 @@ impl Sampler for Slices {
         };
         Ok(Box::new((0..n).map(move |i| me.slice(split, i))))
     }
+
+    /// Every rank reads its share of every batch.
+    fn resume_offset(&self, read: u64, _old_world: usize, _new_world: usize) -> u64 {
+        read
+    }
 }
 
 fn recipe(dir: &Path, world: usize, sharding: &str, dedup: bool, mc: bool) -> PathBuf {
@@ -214,12 +219,20 @@ fn train_with(world: usize, sharding: &str, dedup: bool, overrides: &[&str]) -> 
 }
 
 fn train_full(world: usize, sharding: &str, dedup: bool, mc: bool, overrides: &[&str]) -> Trained {
-    let registry = Registry::builtin().sampler::<Slices>();
     let dir = std::env::temp_dir().join(format!("trainrec-dist-{}", std::process::id()));
     let path = recipe(&dir, world, sharding, dedup, mc);
+    train_path(world, &path, overrides, None)
+}
+
+/// Trains recipe `path` on `world` ranks, from checkpoint directory `resume` when given.
+fn train_path(world: usize, path: &Path, overrides: &[&str], resume: Option<&Path>) -> Trained {
+    let registry = Registry::builtin().sampler::<Slices>();
     let options = LoadOptions { overrides: overrides.iter().map(|o| o.to_string()).collect(), env: false };
-    let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+    let (loaded, features) = load_and_check(path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     let finish = |mut job: Job| {
+        if let Some(dir) = resume {
+            job.resume_from(trainrec::engine::checkpoint::Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
+        }
         let s = job.run().unwrap_or_else(|e| panic!("{e}"));
         let tables: Vec<Vec<f32>> = ["ta", "tb"].iter().map(|t| job.table_weights(t).unwrap().unwrap()).collect();
         // The named state holds this rank's blocks of the tables (the whole tables on one rank).
@@ -302,6 +315,84 @@ fn managed_collisions_across_ranks_train_like_one_rank() {
             }
             for (k, v) in &one.eval {
                 assert!((many.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", many.eval[k]);
+            }
+        }
+    }
+}
+
+/// The test recipe on `world` ranks with table `ta` sharded `sharding`, trained for `steps`
+/// (checkpointing every `every`) with row-wise Adagrad, into run directory `out`.
+fn checkpoint_recipe(world: usize, sharding: &str, steps: u64, every: Option<u64>, out: &Path) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainrec-dist-{}", std::process::id()));
+    let path = recipe(&dir, world, sharding, false, false);
+    let every = every.map_or(String::new(), |n| format!("checkpoint_every = {n}\n"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("epochs = 2\n", &format!("steps = {steps}\n{every}"))
+        .replace(r#"sparse = { kind = "sgd", lr = 0.5 }"#, r#"sparse = { kind = "rowwise_adagrad", lr = 0.5 }"#);
+    let text = text
+        .lines()
+        .map(
+            |l| if l.starts_with("output_dir") { format!("output_dir = \"{}\"", out.display()) } else { l.to_string() },
+        )
+        .collect::<Vec<_>>()
+        .join("\n");
+    let path = dir.join(format!("ck-{world}-{sharding}-{steps}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn checkpoints_reshard_between_world_sizes_and_sharding_types() {
+    let latest =
+        |out: &Path| trainrec::engine::checkpoint::latest(&out.join("checkpoints")).unwrap().expect("a checkpoint");
+    // (saved on, sharded as) -> (loaded on, sharded as); table `tb` stays table-wise.
+    for ((from, s_from), (to, s_to)) in [
+        ((2, "row_wise"), (3, "column_wise")),
+        ((3, "column_wise"), (1, "row_wise")),
+        ((3, "row_wise"), (2, "data_parallel")),
+        ((2, "table_wise"), (3, "row_wise")),
+        ((1, "row_wise"), (2, "table_row_wise")),
+    ] {
+        let what = format!("{s_from} on {from} ranks -> {s_to} on {to}");
+        let out = std::env::temp_dir().join(format!("trainrec-dist-ck-{}-{from}-{s_from}-{to}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        // 6 steps (into the second epoch), checkpointed at the end.
+        let saved = train_path(from, &checkpoint_recipe(from, s_from, 6, Some(6), &out), &[], None);
+        let ck = latest(&out);
+        // The export holds the whole tables as trained.
+        let file = out.join("model.safetensors");
+        trainrec::engine::export::export(&ck, &file).unwrap_or_else(|e| panic!("{e}"));
+        let bytes = std::fs::read(&file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (t, name) in ["ta", "tb"].iter().enumerate() {
+            let v = st.tensor(&format!("embedding_bags.{name}.weight")).unwrap();
+            let w: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            assert_eq!(w, saved.tables[t], "{what}: exported table {name}");
+        }
+        // Loaded on the other layout without training on: the same tables, the same forward.
+        let loaded = train_path(to, &checkpoint_recipe(to, s_to, 6, None, &out), &[], Some(&ck));
+        assert_eq!(loaded.steps, 6, "{what}");
+        assert_eq!(loaded.tables, saved.tables, "{what}: tables");
+        for (name, v) in &saved.dense {
+            assert_eq!(&loaded.dense[name], v, "{what}: dense {name}");
+        }
+        for (k, v) in &saved.eval {
+            // Pooled in another order across ranks: the same up to fp32 rounding.
+            assert!((loaded.eval[k] - v).abs() < 1e-6, "{what}: eval {k} {} vs {v}", loaded.eval[k]);
+        }
+        // Training on from the checkpoint matches training through without one. Row-wise
+        // Adagrad's per-row state carries over exactly when the new blocks span whole rows.
+        if s_to != "column_wise" {
+            let through_dir = out.join("through");
+            let through = train_path(from, &checkpoint_recipe(from, s_from, 10, None, &through_dir), &[], None);
+            let resumed = train_path(to, &checkpoint_recipe(to, s_to, 10, None, &out), &[], Some(&ck));
+            assert_eq!(resumed.steps, 10, "{what}");
+            for (t, (a, b)) in resumed.tables.iter().zip(&through.tables).enumerate() {
+                close(&format!("{what}: resumed table {t}"), a, b);
+            }
+            for (name, v) in &through.dense {
+                close(&format!("{what}: resumed dense {name}"), &resumed.dense[name], v);
             }
         }
     }

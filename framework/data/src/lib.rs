@@ -124,6 +124,16 @@ pub trait Sampler: Send + Sync {
     /// The batches of one pass over `split`. `epoch` changes the order or content of
     /// training data; the eval split is the same on every call.
     fn batches(&self, split: Split, epoch: u64, batch_size: usize) -> Result<BatchStream, DataError>;
+
+    /// Where each of `new_world` ranks resumes an epoch of training batches after a checkpoint
+    /// taken when each of `old_world` ranks had read `read` of them: the batches to skip.
+    /// The default suits samplers that deal an epoch's batches to the ranks in turn (the
+    /// built-in ones): the epoch goes on after the `read * old_world` batches read, rounded
+    /// down to whole rounds of the new ranks. A sampler whose every rank reads a share of
+    /// every batch returns `read`. The same world size always resumes exactly.
+    fn resume_offset(&self, read: u64, old_world: usize, new_world: usize) -> u64 {
+        read * old_world as u64 / new_world.max(1) as u64
+    }
 }
 
 /// Why data could not be produced.

@@ -664,6 +664,56 @@ impl Parts<'_> {
         out
     }
 
+    /// Sets this rank's shard `shard.rows` x `shard.cols` of table `shard.table` (a replica:
+    /// the whole table) from `shard`'s weights, optimizer state and step count, in the layout
+    /// [`Parts::local_shards`] gives them. Not collective.
+    pub(crate) fn load_shard<L: LocalTables>(
+        &self,
+        local: Option<&mut L>,
+        dp: Option<&mut L>,
+        shard: LocalShard,
+    ) -> Result<(), DistError> {
+        let ti = self.index(&shard.table)?;
+        let t = &self.tables[ti];
+        let s = &self.shardings[ti];
+        let width = self.optimizer_of(ti).state_per_row(shard.cols.len());
+        let n_rows = (shard.rows.end - shard.rows.start) as usize;
+        if shard.weights.len() != n_rows * shard.cols.len() || shard.optimizer_state.len() != n_rows * width {
+            return Err(DistError::Module(format!(
+                "table '{}' shard rows {:?} cols {:?}: {} weights and {} optimizer floats, expected {} and {}",
+                t.name,
+                shard.rows,
+                shard.cols,
+                shard.weights.len(),
+                shard.optimizer_state.len(),
+                n_rows * shard.cols.len(),
+                n_rows * width
+            )));
+        }
+        let (target, lname): (Option<&mut L>, &str) = if s.sharding_type == ShardingType::DataParallel {
+            if shard.rows != (0..t.rows) || shard.cols != (0..t.dim) {
+                return Err(DistError::Module(format!("table '{}' is replicated: a shard must cover it", t.name)));
+            }
+            (dp, t.name.as_str())
+        } else {
+            let Some(si) =
+                s.shards.iter().position(|sh| sh.rank == self.me && sh.rows == shard.rows && sh.cols == shard.cols)
+            else {
+                return Err(DistError::Module(format!(
+                    "table '{}': this rank has no shard rows {:?} cols {:?}",
+                    t.name, shard.rows, shard.cols
+                )));
+            };
+            (local, self.local_names[ti][si].as_deref().expect("a local shard has a local table"))
+        };
+        let target = target.ok_or_else(|| DistError::Module(format!("table '{}': no local collection", t.name)))?;
+        target.set_weights(lname, shard.weights)?;
+        if width > 0 {
+            target.set_state(lname, shard.optimizer_state)?;
+        }
+        target.set_steps(lname, shard.step_count)
+    }
+
     /// Sets table `name`'s weights, optimizer state (either may be absent) and step count
     /// from the whole table's (the unsharded collection's layout). Not collective.
     #[allow(clippy::too_many_arguments)]
@@ -1370,6 +1420,16 @@ impl ShardedEbc {
     /// state (the fused parameters of the state dict). Not collective.
     pub fn local_shards(&self) -> Vec<LocalShard> {
         parts!(self).local_shards(self.local.as_ref(), self.dp.as_ref())
+    }
+
+    /// Restores shards [`ShardedEbc::local_shards`] gave (e.g. read back from a checkpoint):
+    /// each must be one of this rank's shards, with its place, or a replica of a data-parallel
+    /// table. Not collective.
+    pub fn load_local_shards(&mut self, shards: Vec<LocalShard>) -> Result<(), DistError> {
+        for shard in shards {
+            parts!(self).load_shard(self.local.as_mut(), self.dp.as_mut(), shard)?;
+        }
+        Ok(())
     }
 }
 

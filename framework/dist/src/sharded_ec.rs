@@ -401,6 +401,15 @@ impl ShardedEc {
     pub fn local_shards(&self) -> Vec<LocalShard> {
         parts!(self).local_shards(self.local.as_ref(), self.dp.as_ref())
     }
+
+    /// Restores shards [`ShardedEc::local_shards`] gave (see
+    /// [`crate::ShardedEbc::load_local_shards`]). Not collective.
+    pub fn load_local_shards(&mut self, shards: Vec<LocalShard>) -> Result<(), DistError> {
+        for shard in shards {
+            parts!(self).load_shard(self.local.as_mut(), self.dp.as_mut(), shard)?;
+        }
+        Ok(())
+    }
 }
 
 /// The id counts this rank sent to rank `d`, one per route of `d`.

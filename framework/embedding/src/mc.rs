@@ -291,6 +291,8 @@ pub struct McState {
     pub step: u64,
     /// The current window: (id, count, last step), sorted by id.
     pub window: Vec<(i64, u64, u64)>,
+    /// The statistics so far.
+    pub stats: McStats,
 }
 
 impl ManagedCollision {
@@ -523,6 +525,7 @@ impl ManagedCollision {
             last_access: self.last_access.clone(),
             step: self.step,
             window,
+            stats: self.stats,
         }
     }
 
@@ -544,7 +547,7 @@ impl ManagedCollision {
         self.last_access = state.last_access.clone();
         self.step = state.step;
         self.window = state.window.iter().map(|&(id, c, l)| (id, (c, l))).collect();
-        self.stats.tracked = self.slot_of.len as u64;
+        self.stats = McStats { tracked: self.slot_of.len as u64, capacity: self.stats.capacity, ..state.stats };
         Ok(())
     }
 }

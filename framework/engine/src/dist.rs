@@ -114,6 +114,24 @@ impl SparseArch {
         }
     }
 
+    /// Restores shards in the layout [`SparseArch::local_shards`] gives (each whole table on
+    /// one rank; across ranks, this rank's shards).
+    pub(crate) fn load_local_shards(&mut self, shards: Vec<trainrec_dist::LocalShard>) -> Result<(), EngineError> {
+        match self {
+            Self::Local(ebc) => {
+                for s in shards {
+                    ebc.set_table_weights(&s.table, s.weights)?;
+                    if !s.optimizer_state.is_empty() {
+                        ebc.set_optimizer_state(&s.table, s.optimizer_state)?;
+                    }
+                    ebc.set_step_count(&s.table, s.step_count)?;
+                }
+            }
+            Self::Sharded(sh) => sh.load_local_shards(shards)?,
+        }
+        Ok(())
+    }
+
     /// Re-initialises rows of table `name` (a managed-collision slot changed hands).
     pub(crate) fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), EngineError> {
         match self {
@@ -342,13 +360,49 @@ pub fn run_threads(
     features: &FeatureSchema,
     registry: &Registry,
 ) -> Result<RunSummary, EngineError> {
+    run_threads_from(loaded, features, registry, None)
+}
+
+/// Builds rank `pg`'s job and runs it, from checkpoint directory `resume` when given.
+fn build_and_run(
+    loaded: &LoadedRecipe,
+    features: &FeatureSchema,
+    registry: &Registry,
+    pg: Option<Arc<dyn ProcessGroup>>,
+    resume: Option<&std::path::Path>,
+) -> Result<RunSummary, EngineError> {
+    let mut job = Job::build_rank(loaded, features, registry, pg)?;
+    if let Some(dir) = resume {
+        job.resume_from(crate::checkpoint::Checkpoint::open(dir)?);
+    }
+    job.run()
+}
+
+/// Trains one rank of the job (no process group), from checkpoint directory `resume` when
+/// given.
+pub fn run_local(
+    loaded: &LoadedRecipe,
+    features: &FeatureSchema,
+    registry: &Registry,
+    resume: Option<&std::path::Path>,
+) -> Result<RunSummary, EngineError> {
+    build_and_run(loaded, features, registry, None, resume)
+}
+
+/// [`run_threads`], every rank resuming from checkpoint directory `resume` when given.
+pub fn run_threads_from(
+    loaded: &LoadedRecipe,
+    features: &FeatureSchema,
+    registry: &Registry,
+    resume: Option<&std::path::Path>,
+) -> Result<RunSummary, EngineError> {
     let world = loaded.recipe.topology.world_size;
     let threads = crate::configure_threads(loaded.recipe.run.threads);
     let per_rank = (threads / world).max(1) as i32;
     let results = ThreadGroup::run(world, COLLECTIVE_TIMEOUT, |pg| {
         tch::set_num_threads(per_rank);
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
-        Job::build_rank(loaded, features, registry, Some(pg)).and_then(|mut job| job.run())
+        build_and_run(loaded, features, registry, Some(pg), resume)
     });
     // The first rank's own error: a peer's "left the group" is only a consequence of it.
     let mut first_err: Option<EngineError> = None;
@@ -389,12 +443,13 @@ pub fn run_mpi(
     loaded: &LoadedRecipe,
     features: &FeatureSchema,
     registry: &Registry,
+    resume: Option<&std::path::Path>,
 ) -> Result<Option<RunSummary>, EngineError> {
     let pg = trainrec_dist::MpiGroup::init(COLLECTIVE_TIMEOUT)?;
     crate::configure_threads(loaded.recipe.run.threads);
     let rank = pg.rank();
     let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
-    let summary = Job::build_rank(loaded, features, registry, Some(pg)).and_then(|mut job| job.run())?;
+    let summary = build_and_run(loaded, features, registry, Some(pg), resume)?;
     Ok((rank == 0).then_some(summary))
 }
 

@@ -34,6 +34,9 @@ pub enum EngineError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A checkpoint could not be written or read.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     /// A split produced no batches.
     #[error("the sampler's {0} split produced no batches; check its size settings")]
     EmptySplit(&'static str),

@@ -25,6 +25,10 @@ use std::sync::Arc;
 use trainrec_dist::{DistContext, ProcessGroup};
 
 use crate::check::sparse_outputs;
+use checkpointing::Progress;
+
+#[path = "job_checkpoint.rs"]
+mod checkpointing;
 use crate::dist::{DEFAULT_BUCKET_MIB, DataParallel, SparseArch};
 use crate::error::EngineError;
 use crate::registry::Registry;
@@ -70,6 +74,10 @@ pub struct Job {
     retrieval: Option<RetrievalSpec>,
     /// The managed-collision tables (raw ids remapped before the lookup).
     mc: crate::mc::McTables,
+    /// The directory the recipe's relative paths resolve against.
+    base_dir: PathBuf,
+    /// The checkpoint [`Job::run`] resumes from.
+    resume: Option<crate::checkpoint::Checkpoint>,
 }
 
 /// The corpus and cut-offs of a `recall_at_k` metric.
@@ -322,6 +330,8 @@ impl Job {
             plan,
             retrieval,
             mc,
+            base_dir: loaded.base_dir.clone(),
+            resume: None,
         })
     }
 
@@ -682,34 +692,25 @@ impl Job {
         out
     }
 
+    /// Makes [`Job::run`] continue from checkpoint `ck` (taken by a job of the same model,
+    /// with any world size and plan) instead of starting afresh.
+    pub fn resume_from(&mut self, ck: crate::checkpoint::Checkpoint) {
+        self.resume = Some(ck);
+    }
+
     /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run
-    /// directory (`resolved.toml`, `metrics.jsonl`).
+    /// directory (`resolved.toml`, `metrics.jsonl`, checkpoints every `train.checkpoint_every`
+    /// steps). After [`Job::resume_from`] it goes on from the checkpoint, keeping the lines of
+    /// the metric files up to its step.
     ///
     /// Across ranks every rank calls it: rank 0 writes the run directory and shows progress;
     /// the losses and metrics it reports are the global batch's.
     pub fn run(&mut self) -> Result<RunSummary, EngineError> {
         let out_dir = self.recipe.output_dir();
         let lead = self.sync.as_ref().is_none_or(|s| s.pg.rank() == 0);
-        let mut log = if lead {
-            std::fs::create_dir_all(&out_dir).map_err(|e| EngineError::Io { path: out_dir.clone(), source: e })?;
-            write_atomic(&out_dir.join("resolved.toml"), self.resolved_toml.as_bytes())?;
-            let plan_path = out_dir.join("plan.json");
-            trainrec_planner::save_plan(&self.plan, &plan_path)
-                .map_err(|e| EngineError::Io { path: plan_path, source: e })?;
-            Some(MetricsLog::create(&out_dir.join("metrics.jsonl"))?)
-        } else {
-            None
-        };
+        let resume = self.resume.take();
 
         let train = self.recipe.train.clone();
-        let bs = self.recipe.data.batch_size;
-        let bar = if lead { progress_bar(train.steps, train.progress) } else { ProgressBar::hidden() };
-        let start = Instant::now();
-        let (mut step, mut samples) = (0u64, 0u64);
-        let mut window = (0.0f64, 0u64);
-        let mut first_loss = None;
-        let mut last_loss = 0.0;
-        let mut last_eval = None;
         // The metrics on training batches (one suite per task), when asked for.
         let mut train_suites = match train.metrics_every {
             Some(_) => {
@@ -723,11 +724,50 @@ impl Job {
             trainrec_metrics::THROUGHPUT_WARMUP_STEPS,
             trainrec_metrics::THROUGHPUT_WINDOW_SECONDS,
         )?;
+        let mut p = match &resume {
+            Some(ck) => self.restore(ck, train_suites.as_deref_mut(), &mut throughput)?,
+            None => Progress { world_size: self.sync.as_ref().map_or(1, |s| s.pg.world_size()), ..Default::default() },
+        };
+        let mut log = if lead {
+            std::fs::create_dir_all(&out_dir).map_err(|e| EngineError::Io { path: out_dir.clone(), source: e })?;
+            write_atomic(&out_dir.join("resolved.toml"), self.resolved_toml.as_bytes())?;
+            let plan_path = out_dir.join("plan.json");
+            trainrec_planner::save_plan(&self.plan, &plan_path)
+                .map_err(|e| EngineError::Io { path: plan_path, source: e })?;
+            if resume.is_some() {
+                checkpointing::truncate_metrics(&out_dir, p.step)?;
+            }
+            Some(MetricsLog::open(&out_dir.join("metrics.jsonl"), resume.is_some())?)
+        } else {
+            None
+        };
+        drop(resume);
+
+        let bs = self.recipe.data.batch_size;
+        let bar = if lead { progress_bar(train.steps, train.progress) } else { ProgressBar::hidden() };
+        if p.step > 0 {
+            bar.set_position(p.step);
+        }
+        let start = Instant::now();
+        let start_samples = p.samples;
         let epochs = train.epochs.unwrap_or(u64::MAX);
-        'outer: for epoch in 0..epochs {
-            let mut in_epoch = 0u64;
+        let done = |step: u64| train.steps.is_some_and(|n| step >= n);
+        let first_epoch = p.epoch;
+        'outer: for epoch in first_epoch..epochs {
+            if done(p.step) {
+                break;
+            }
+            if epoch != p.epoch {
+                (p.epoch, p.in_epoch) = (epoch, 0);
+            }
             let _span = tracing::info_span!("epoch", epoch).entered();
             let mut batches = self.sampler.batches(Split::Train, epoch, bs)?;
+            // Resuming mid-epoch: the batches the checkpointed run had read.
+            for _ in 0..p.in_epoch {
+                if batches.next().transpose()?.is_none() {
+                    break;
+                }
+            }
             loop {
                 let next = batches.next().transpose()?;
                 // Across ranks the epoch ends for all when one rank's data ends (no rank waits
@@ -737,14 +777,19 @@ impl Job {
                     None => next.is_some(),
                 };
                 let Some(batch) = next.filter(|_| go) else { break };
+                // The libtorch generator (dropout) restarts from the seed and step, so a
+                // resumed run draws what an uninterrupted one does.
+                tch::manual_seed((self.recipe.run.seed ^ p.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)) as i64);
                 let (loss, predictions, examples) = self.train_step_with(&batch, train_suites.is_some())?;
-                if let (Some(suites), Some(p)) = (&mut train_suites, &predictions) {
-                    self.feed_all_ranks(suites, p, &batch)?;
+                if let (Some(suites), Some(pr)) = (&mut train_suites, &predictions) {
+                    self.feed_all_ranks(suites, pr, &batch)?;
                 }
-                step += 1;
-                in_epoch += 1;
-                samples += examples as u64;
+                p.step += 1;
+                p.in_epoch += 1;
+                p.samples += examples as u64;
+                let step = p.step;
                 throughput.update(examples as u64);
+                let mut window = p.window();
                 window.0 += loss;
                 window.1 += 1;
                 bar.inc(1);
@@ -752,10 +797,10 @@ impl Job {
                 let mut train_values = BTreeMap::new();
                 if step % train.log_every == 0 {
                     let mean = window.0 / window.1 as f64;
-                    first_loss.get_or_insert(mean);
-                    last_loss = mean;
+                    p.first_loss.get_or_insert(mean.to_bits());
+                    p.last_loss = mean.to_bits();
                     window = (0.0, 0);
-                    let rate = samples as f64 / start.elapsed().as_secs_f64();
+                    let rate = (p.samples - start_samples) as f64 / start.elapsed().as_secs_f64();
                     bar.set_message(format!("loss {mean:.4} · {} samples/s", human(rate)));
                     if bar.is_hidden() && lead {
                         tracing::info!(step, loss = mean, samples_per_s = rate as u64, "train");
@@ -765,6 +810,7 @@ impl Job {
                     values.extend(self.mc.metric_values());
                     train_values.extend(values);
                 }
+                p.set_window(window);
                 if let (Some(every), Some(suites)) = (train.metrics_every, &train_suites)
                     && step % every == 0
                 {
@@ -777,23 +823,33 @@ impl Job {
                     let m = self.evaluate()?;
                     tracing::info!(step, metrics = ?m, "eval");
                     log_write(&mut log, step, "eval", &m)?;
-                    last_eval = Some(m);
+                    p.set_last_eval(&m);
                 }
-                if train.steps == Some(step) {
+                if train.checkpoint_every.is_some_and(|n| step % n == 0) {
+                    self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
+                }
+                if lead && crate::checkpoint::failpoint("abort-after-step", step) {
+                    // A test's stand-in for `kill -9` (on rank 0, once its lines are written): no
+                    // unwinding, nothing flushed.
+                    std::process::abort();
+                }
+                if done(step) {
                     break 'outer;
                 }
             }
-            if in_epoch == 0 {
+            if p.in_epoch == 0 {
                 return Err(EngineError::EmptySplit("train"));
             }
         }
-        if window.1 > 0 {
-            let mean = window.0 / window.1 as f64;
-            first_loss.get_or_insert(mean);
-            last_loss = mean;
+        let (step, samples) = (p.step, p.samples);
+        let (sum, n) = p.window();
+        if n > 0 {
+            let mean = sum / n as f64;
+            p.first_loss.get_or_insert(mean.to_bits());
+            p.last_loss = mean.to_bits();
             log_write(&mut log, step, "train", &BTreeMap::from([("loss".to_string(), mean)]))?;
         }
-        let final_eval = match last_eval {
+        let final_eval = match p.last_eval() {
             Some(m) if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) => m,
             _ => {
                 let m = self.evaluate()?;
@@ -805,12 +861,13 @@ impl Job {
         if let Some(log) = log {
             log.finish()?;
         }
+        let last_loss = f64::from_bits(p.last_loss);
         Ok(RunSummary {
             steps: step,
             samples,
             train_seconds: start.elapsed().as_secs_f64(),
             eval: final_eval,
-            train_loss: (first_loss.unwrap_or(last_loss), last_loss),
+            train_loss: (p.first_loss.map_or(last_loss, f64::from_bits), last_loss),
             output_dir: out_dir,
         })
     }
@@ -944,6 +1001,12 @@ impl Metric for WindowNamed {
     fn reset(&mut self) {
         self.0.reset();
     }
+    fn state(&self) -> Option<trainrec_metrics::MetricState> {
+        self.0.state()
+    }
+    fn load_state(&mut self, state: &trainrec_metrics::MetricState) -> Result<(), trainrec_metrics::MetricError> {
+        self.0.load_state(state)
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so a reader never sees a
@@ -984,15 +1047,19 @@ struct MetricsLog {
 }
 
 impl MetricsLog {
-    fn create(path: &Path) -> Result<Self, EngineError> {
+    /// Creates the files, or with `append` (a resumed run) appends to them.
+    fn open(path: &Path, append: bool) -> Result<Self, EngineError> {
         let io = |p: &Path| {
             let p = p.to_path_buf();
             move |e| EngineError::Io { path: p, source: e }
         };
         let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-        let file = File::create(path).map_err(io(path))?;
+        let file =
+            if append { std::fs::OpenOptions::new().create(true).append(true).open(path) } else { File::create(path) }
+                .map_err(io(path))?;
         let csv_path = dir.join("metrics.csv");
-        let csv = CsvSink::create(&csv_path).map_err(io(&csv_path))?;
+        let csv =
+            if append { CsvSink::append(&csv_path) } else { CsvSink::create(&csv_path) }.map_err(io(&csv_path))?;
         let tb = TensorBoardSink::create(&dir).map_err(io(&dir))?;
         Ok(Self { path: path.to_path_buf(), out: BufWriter::new(file), csv, tb, dir })
     }

@@ -2,9 +2,11 @@
 
 pub mod bench;
 pub mod check;
+pub mod checkpoint;
 pub mod dist;
 pub mod dmp;
 pub mod error;
+pub mod export;
 pub mod job;
 mod mc;
 pub mod plan;

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use trainrec_dist::{ProcessGroup, ProcessGroupExt};
-use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig, McStats};
+use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig, McState, McStats};
 use trainrec_recipe::{FeatureRef, McPolicy, Recipe};
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -147,6 +147,26 @@ impl McTables {
             }
         }
         Ok(())
+    }
+
+    /// Each table's name and checkpointable state.
+    pub(crate) fn states(&self) -> Vec<(String, McState)> {
+        self.tables.iter().map(|t| (t.name.clone(), t.module.state())).collect()
+    }
+
+    /// Restores table `name`'s state.
+    pub(crate) fn set_state(&mut self, name: &str, state: &McState) -> Result<(), EngineError> {
+        let t = self
+            .tables
+            .iter_mut()
+            .find(|t| t.name == name)
+            .ok_or_else(|| bad(name, "the job has no managed-collision table of this name"))?;
+        t.module.set_state(state).map_err(|m| bad(name, format!("checkpointed state: {m}")))
+    }
+
+    /// The names of the tables.
+    pub(crate) fn names(&self) -> Vec<String> {
+        self.tables.iter().map(|t| t.name.clone()).collect()
     }
 
     /// Each table's statistics.

@@ -2,8 +2,9 @@
 
 use std::collections::HashMap;
 
+use crate::state::{limit_array, of_kind, with_kind};
 use crate::window::SampleWindow;
-use crate::{Metric, MetricError, TaskBatch, validate_batch};
+use crate::{Metric, MetricError, MetricState, TaskBatch, validate_batch};
 
 /// AUC exactly as TorchRec computes it, in `O(n log n)` over the samples it keeps.
 ///
@@ -180,6 +181,26 @@ impl Metric for AucMetric {
     fn reset(&mut self) {
         self.samples.clear();
     }
+
+    /// The kept samples (see [`MetricState`]) and the window size, `auc.window` (empty when
+    /// every sample is kept).
+    fn state(&self) -> Option<MetricState> {
+        let mut state = MetricState::default();
+        state.push("window", limit_array(self.window.unwrap_or(usize::MAX)));
+        self.samples.save(&mut state);
+        Some(with_kind("auc", state))
+    }
+
+    fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        let load = || {
+            let names = [&["window"][..], SampleWindow::state_names(self.grouped)].concat();
+            let state = of_kind("auc", state, &names)?;
+            state.expect_array("window", &limit_array(self.window.unwrap_or(usize::MAX)))?;
+            SampleWindow::load(&state, self.grouped, self.window)
+        };
+        self.samples = load().map_err(|e| e.in_metric(&self.output_names().join(",")))?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -335,5 +356,52 @@ mod tests {
         m.update(&p, &y, None).unwrap();
         // Labels drawn with P(y=1) = p: the expected AUC is 5/6 ~ 0.833.
         assert!((m.auc() - 5.0 / 6.0).abs() < 0.01, "auc = {}", m.auc());
+    }
+
+    #[test]
+    fn resumes_exactly_from_a_saved_state() {
+        use crate::resume::{assert_rejects_damaged, assert_resumes_exactly, batches};
+        type Config = (&'static str, fn() -> AucMetric);
+        let configs: [Config; 4] = [
+            ("lifetime", AucMetric::new),
+            ("windowed", || AucMetric::with_window(37).unwrap()),
+            ("grouped", || AucMetric::new().grouped()),
+            ("windowed grouped", || AucMetric::with_window(37).unwrap().grouped()),
+        ];
+        for (name, make) in configs {
+            for soft in [false, true] {
+                let data = batches(21 + u64::from(soft), 30, soft);
+                // 30 batches of ~10 samples wrap a window of 37 many times after the load.
+                assert_resumes_exactly(&|| Box::new(make()), &data[..8], &data[8..]);
+                let mut m = make();
+                for b in &data[..8] {
+                    m.update_batch(&b.batch()).unwrap();
+                }
+                assert_rejects_damaged(&|| Box::new(make()), &m.state().unwrap());
+                eprintln!("{name}, soft labels {soft}: ok");
+            }
+        }
+    }
+
+    #[test]
+    fn state_of_another_configuration_is_rejected() {
+        let mut full = AucMetric::with_window(10).unwrap();
+        full.update(&[0.1, 0.9, 0.4], &[0.0, 1.0, 1.0], None).unwrap();
+        let state = full.state().unwrap();
+        let e = AucMetric::with_window(20).unwrap().load_state(&state).unwrap_err().to_string();
+        assert!(e.contains("saved with window = [10.0], but this metric has window = [20.0]"), "{e}");
+        assert!(AucMetric::new().load_state(&state).is_err());
+        let e = AucMetric::with_window(10).unwrap().grouped().load_state(&state).unwrap_err().to_string();
+        assert!(
+            e.starts_with(
+                r#"cannot restore the state of metric "auc,grouped_auc": the state has no array "auc.groups_hi""#
+            ),
+            "{e}"
+        );
+        let e = crate::NeMetric::new(false).load_state(&state).unwrap_err().to_string();
+        assert!(e.contains(r#"unexpected array "auc.window" (the state of another metric?)"#), "{e}");
+        let mut other = AucMetric::with_window(10).unwrap();
+        other.load_state(&state).unwrap();
+        assert_eq!(other, full);
     }
 }

@@ -1,7 +1,8 @@
 //! Area under the precision-recall curve (TorchRec `torchrec/metrics/auprc.py`).
 
+use crate::state::{limit_array, of_kind, with_kind};
 use crate::window::SampleWindow;
-use crate::{Metric, MetricError, validate_batch, weight_at};
+use crate::{Metric, MetricError, MetricState, validate_batch, weight_at};
 
 /// TorchRec's default number of lifetime histogram bins over `[0, 1]`.
 pub const AUPRC_BINS: usize = 1000;
@@ -49,6 +50,38 @@ impl AuprcMetric {
         self.positive.iter_mut().zip(&other.positive).for_each(|(a, b)| *a += b);
         self.negative.iter_mut().zip(&other.negative).for_each(|(a, b)| *a += b);
         self.invalid |= other.invalid;
+        Ok(())
+    }
+
+    /// The state: the window size `auprc.window` (empty when unbounded), the window's samples,
+    /// the lifetime bins `auprc.positive` and `auprc.negative` and the flag `auprc.invalid`.
+    fn save(&self) -> MetricState {
+        let mut state = MetricState::default();
+        state.push("window", limit_array(self.window));
+        self.samples.save(&mut state);
+        state.push("positive", self.positive.iter().copied());
+        state.push("negative", self.negative.iter().copied());
+        state.push("invalid", [if self.invalid { 1.0 } else { 0.0 }]);
+        with_kind("auprc", state)
+    }
+
+    /// Restores what [`AuprcMetric::save`] wrote, after checking all of it.
+    fn load(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        let names = [&["window"][..], SampleWindow::state_names(false), &["positive", "negative", "invalid"]].concat();
+        let state = of_kind("auprc", state, &names)?;
+        state.expect_array("window", &limit_array(self.window))?;
+        let samples = SampleWindow::load(&state, false, Some(self.window))?;
+        let bins = |name: &str| -> Result<Vec<f64>, MetricError> {
+            state.get_len(name, AUPRC_BINS)?;
+            let values = state.finite(name)?;
+            if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| **v < 0.0) {
+                return Err(MetricError::bad_state(format!("{name}[{i}] = {v} is a negative weight sum")));
+            }
+            Ok(values.to_vec())
+        };
+        let (positive, negative) = (bins("positive")?, bins("negative")?);
+        let invalid = state.flag("invalid")?;
+        *self = Self { window: self.window, samples, positive, negative, invalid };
         Ok(())
     }
 
@@ -145,6 +178,17 @@ impl Metric for AuprcMetric {
         self.negative.iter_mut().for_each(|x| *x = 0.0);
         self.invalid = false;
     }
+
+    /// The window size `auprc.window`, the window's samples (see [`MetricState`]), the lifetime
+    /// bins `auprc.positive` and `auprc.negative` ([`AUPRC_BINS`] each) and the flag
+    /// `auprc.invalid`.
+    fn state(&self) -> Option<MetricState> {
+        Some(self.save())
+    }
+
+    fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        self.load(state).map_err(|e| e.in_metric(&self.output_names().join(",")))
+    }
 }
 
 /// Exact AUPRC over every sample (no window, no bins), reported as `auprc`: for evaluations,
@@ -187,6 +231,16 @@ impl Metric for SplitAuprc {
     fn reset(&mut self) {
         self.0.reset();
     }
+
+    /// Every sample since the last reset (see [`MetricState`]), and the unused bins: the arrays
+    /// of [`AuprcMetric`], with an empty (unbounded) `auprc.window`.
+    fn state(&self) -> Option<MetricState> {
+        Some(self.0.save())
+    }
+
+    fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        self.0.load(state).map_err(|e| e.in_metric(&self.output_names().join(",")))
+    }
 }
 
 #[cfg(test)]
@@ -213,5 +267,40 @@ mod tests {
         m.reset();
         assert_eq!(m.lifetime_auprc(), 0.5, "no signal after a reset");
         assert!(AuprcMetric::new(0).is_err());
+    }
+
+    #[test]
+    fn resumes_exactly_from_a_saved_state() {
+        use crate::resume::{assert_rejects_damaged, assert_resumes_exactly, batches};
+        let mut data = batches(5, 30, true);
+        // An out-of-range prediction before the save: the lifetime value is NaN on both sides.
+        let mut poisoned = data.clone();
+        poisoned[3].p[0] = 1.5;
+        type Build<'a> = &'a dyn Fn() -> Box<dyn Metric>;
+        let configs: [(Build<'_>, &[crate::resume::Owned]); 3] = [
+            (&|| Box::new(AuprcMetric::new(41).unwrap()), &data),
+            (&|| Box::new(AuprcMetric::new(41).unwrap()), &poisoned),
+            (&|| Box::new(SplitAuprc::new()), &data),
+        ];
+        for (make, data) in configs {
+            assert_resumes_exactly(make, &data[..9], &data[9..]);
+            let mut m = make();
+            for b in &data[..9] {
+                m.update(&b.p, &b.y, b.w.as_deref()).unwrap();
+            }
+            assert_rejects_damaged(make, &m.state().unwrap());
+        }
+        // The window size must match; a split metric's unbounded window is not a 41-sample one.
+        data.truncate(3);
+        let mut m = AuprcMetric::new(41).unwrap();
+        m.update(&data[0].p, &data[0].y, None).unwrap();
+        let e = AuprcMetric::new(40).unwrap().load_state(&m.state().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("auprc.window") || e.contains("window = [41.0]"), "{e}");
+        assert!(SplitAuprc::new().load_state(&m.state().unwrap()).is_err());
+        // Negative bins cannot come from weights >= 0.
+        let mut state = m.state().unwrap();
+        state.arrays.iter_mut().find(|(n, _)| n == "auprc.negative").unwrap().1[7] = -1.0;
+        let e = AuprcMetric::new(41).unwrap().load_state(&state).unwrap_err().to_string();
+        assert!(e.contains("negative[7] = -1 is a negative weight sum"), "{e}");
     }
 }

@@ -1,6 +1,7 @@
 //! Normalized entropy and log loss (TorchRec `torchrec/metrics/ne.py`).
 
-use crate::{Metric, MetricError, validate_batch};
+use crate::state::{of_kind, with_kind};
+use crate::{Metric, MetricError, MetricState, validate_batch};
 
 /// The clamp TorchRec applies to predictions, the mean label and denominators (`eta`).
 pub const NE_ETA: f64 = 1e-12;
@@ -134,6 +135,25 @@ impl Metric for NeMetric {
     fn reset(&mut self) {
         *self = Self::new(self.include_logloss);
     }
+
+    /// The four sums as the array `ne.sums`: cross entropy, weight, positive and negative
+    /// weight.
+    fn state(&self) -> Option<MetricState> {
+        let mut state = MetricState::default();
+        state.push("sums", [self.ce_sum, self.weighted_num_samples, self.pos, self.neg]);
+        Some(with_kind("ne", state))
+    }
+
+    fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        let load = || {
+            let state = of_kind("ne", state, &["sums"])?;
+            state.finite("sums")?;
+            Ok(state.get_len("sums", 4)?.to_vec())
+        };
+        let s = load().map_err(|e: MetricError| e.in_metric(&self.output_names().join(",")))?;
+        (self.ce_sum, self.weighted_num_samples, self.pos, self.neg) = (s[0], s[1], s[2], s[3]);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -259,5 +279,21 @@ mod tests {
         let mut exact = NeMetric::new(true);
         exact.update(&[1.0, 0.0], &[1.0, 0.0], None).unwrap();
         assert_eq!(clamped.ne(), exact.ne());
+    }
+
+    #[test]
+    fn resumes_exactly_from_a_saved_state() {
+        use crate::resume::{assert_rejects_damaged, assert_resumes_exactly, batches};
+        let data = batches(9, 20, true);
+        for logloss in [false, true] {
+            let make = || -> Box<dyn Metric> { Box::new(NeMetric::new(logloss)) };
+            assert_resumes_exactly(&make, &data[..5], &data[5..]);
+            let mut m = NeMetric::new(logloss);
+            m.update(&P, &Y, None).unwrap();
+            assert_rejects_damaged(&make, &m.state().unwrap());
+            let mut back = NeMetric::new(logloss);
+            back.load_state(&m.state().unwrap()).unwrap();
+            assert_eq!(back, m);
+        }
     }
 }

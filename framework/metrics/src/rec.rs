@@ -12,7 +12,8 @@
 use std::collections::VecDeque;
 
 use crate::ne::{logloss_from_sums, ne_from_sums};
-use crate::{Metric, MetricError, kernels, validate_batch, weight_at};
+use crate::state::{limit_array, of_kind, with_kind};
+use crate::{Metric, MetricError, MetricState, kernels, validate_batch, weight_at};
 
 /// TorchRec's `MAX_BUFFER_COUNT`: updates a window remembers at most.
 pub const MAX_WINDOW_UPDATES: usize = 1000;
@@ -210,6 +211,51 @@ impl Window {
         }
     }
 
+    /// Saves the window into `state`: `window_max` (the window size in samples, empty when
+    /// unbounded), `window_sums` (the running sums, kept as they are: recomputing them from the
+    /// queued updates would round differently), `window_update_sums` (each queued update's sums,
+    /// oldest first, concatenated) and `window_update_sizes` (their sample counts).
+    pub(crate) fn save(&self, state: &mut MetricState) {
+        state.push("window_max", limit_array(self.max_samples));
+        state.push("window_sums", self.sums.iter().copied());
+        state.push("window_update_sums", self.updates.iter().flat_map(|(sums, _)| sums.iter().copied()));
+        state.push_counts("window_update_sizes", self.updates.iter().map(|&(_, size)| size as u64));
+    }
+
+    /// The names of the arrays [`Window::save`] writes.
+    pub(crate) const STATE_NAMES: [&'static str; 4] =
+        ["window_max", "window_sums", "window_update_sums", "window_update_sizes"];
+
+    /// The window [`Window::save`] wrote into `state`, checked against this window's size and
+    /// number of sums and against the invariants of [`Window::push`].
+    pub(crate) fn load(&self, state: &MetricState) -> Result<Self, MetricError> {
+        state.expect_array("window_max", &limit_array(self.max_samples))?;
+        let n = self.sums.len();
+        state.finite("window_sums")?;
+        let sums = state.get_len("window_sums", n)?.to_vec();
+        let sizes = state.counts("window_update_sizes")?;
+        if sizes.len() > MAX_WINDOW_UPDATES {
+            return Err(MetricError::bad_state(format!(
+                "the window queues {} updates, more than the {MAX_WINDOW_UPDATES} a window keeps",
+                sizes.len()
+            )));
+        }
+        state.finite("window_update_sums")?;
+        let flat = state.get_len("window_update_sums", sizes.len() * n)?;
+        let samples = sizes.iter().try_fold(0usize, |total, &s| usize::try_from(s).ok()?.checked_add(total));
+        let samples =
+            samples.ok_or_else(|| MetricError::bad_state("the window's update sizes overflow a sample count"))?;
+        if sizes.len() > 1 && samples > self.max_samples {
+            return Err(MetricError::bad_state(format!(
+                "the window's {} updates hold {samples} samples, more than its {} (only a single update may exceed it)",
+                sizes.len(),
+                self.max_samples
+            )));
+        }
+        let updates = flat.chunks(n.max(1)).zip(&sizes).map(|(s, &size)| (s.to_vec(), size as usize)).collect();
+        Ok(Self { max_samples: self.max_samples, sums, updates, samples })
+    }
+
     fn pop(&mut self) {
         if let Some((old, size)) = self.updates.pop_front() {
             self.sums.iter_mut().zip(&old).for_each(|(a, b)| *a -= b);
@@ -268,6 +314,28 @@ impl SumMetric {
         Ok(())
     }
 
+    /// The state, arrays prefixed by the kind's name: `<name>.lifetime` (the lifetime sums) and
+    /// the window's arrays (see [`Window::save`]).
+    fn save(&self) -> MetricState {
+        let mut state = MetricState::default();
+        state.push("lifetime", self.lifetime.iter().copied());
+        self.window.save(&mut state);
+        with_kind(self.kind.name(), state)
+    }
+
+    /// Restores what [`SumMetric::save`] wrote, after checking all of it; errors name `metric`.
+    fn load(&mut self, metric: &str, state: &MetricState) -> Result<(), MetricError> {
+        let load = || {
+            let names = [&["lifetime"][..], &Window::STATE_NAMES].concat();
+            let state = of_kind(self.kind.name(), state, &names)?;
+            state.finite("lifetime")?;
+            let lifetime = state.get_len("lifetime", self.kind.num_sums())?.to_vec();
+            Ok((lifetime, self.window.load(&state)?))
+        };
+        (self.lifetime, self.window) = load().map_err(|e: MetricError| e.in_metric(metric))?;
+        Ok(())
+    }
+
     /// Adds a batch [`validate_batch`] has accepted.
     fn add_valid(&mut self, b: TaskBatch<'_>) {
         let sums = self.kind.batch_sums(&b);
@@ -304,6 +372,17 @@ impl Metric for SumMetric {
     fn reset(&mut self) {
         self.lifetime.iter_mut().for_each(|s| *s = 0.0);
         self.window.clear();
+    }
+
+    /// The lifetime sums `<kind>.lifetime` (`ctr.lifetime`) and the window: its size
+    /// `<kind>.window_max`, running sums `<kind>.window_sums` and queued updates
+    /// `<kind>.window_update_sums` / `<kind>.window_update_sizes`.
+    fn state(&self) -> Option<MetricState> {
+        Some(self.save())
+    }
+
+    fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        self.load(&self.output_names().join(","), state)
     }
 }
 
@@ -430,5 +509,90 @@ impl Metric for LifetimeMetric {
 
     fn reset(&mut self) {
         self.0.reset();
+    }
+
+    /// The arrays of [`SumMetric`]'s state (the unreported window included).
+    fn state(&self) -> Option<MetricState> {
+        Some(self.0.save())
+    }
+
+    fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        self.0.load(&self.output_names().join(","), state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resume::{assert_rejects_damaged, assert_resumes_exactly, batches};
+
+    const KINDS: [SumMetricKind; 10] = [
+        SumMetricKind::Ne { include_logloss: true },
+        SumMetricKind::Ne { include_logloss: false },
+        SumMetricKind::Calibration,
+        SumMetricKind::Ctr,
+        SumMetricKind::Mse,
+        SumMetricKind::Mae,
+        SumMetricKind::Accuracy { threshold: 0.5 },
+        SumMetricKind::Precision { threshold: 0.5 },
+        SumMetricKind::Recall { threshold: 0.5 },
+        SumMetricKind::WeightedAvg,
+    ];
+
+    fn fed(kind: SumMetricKind, window: usize, data: &[crate::resume::Owned]) -> SumMetric {
+        let mut m = SumMetric::new(kind, window).unwrap();
+        for b in data {
+            m.update(&b.p, &b.y, b.w.as_deref()).unwrap();
+        }
+        m
+    }
+
+    #[test]
+    fn resumes_exactly_from_a_saved_state() {
+        let data = batches(17, 40, true);
+        for kind in KINDS {
+            // ~10 samples a batch: a window of 40 drops updates at nearly every step.
+            let make = || -> Box<dyn Metric> { Box::new(SumMetric::new(kind, 40).unwrap()) };
+            assert_resumes_exactly(&make, &data[..10], &data[10..]);
+            assert_rejects_damaged(&make, &fed(kind, 40, &data[..10]).state().unwrap());
+            let lifetime = || -> Box<dyn Metric> { Box::new(LifetimeMetric::new(kind)) };
+            assert_resumes_exactly(&lifetime, &data[..10], &data[10..]);
+            let mut m = LifetimeMetric::new(kind);
+            m.update(&data[0].p, &data[0].y, None).unwrap();
+            assert_rejects_damaged(&lifetime, &m.state().unwrap());
+        }
+    }
+
+    #[test]
+    fn resumes_exactly_with_a_full_update_queue() {
+        // More updates than the window queues (1,000): the oldest are dropped by count.
+        let data = batches(3, MAX_WINDOW_UPDATES + 40, false);
+        let make = || -> Box<dyn Metric> { Box::new(SumMetric::new(SumMetricKind::Mse, 1 << 40).unwrap()) };
+        assert_resumes_exactly(&make, &data[..MAX_WINDOW_UPDATES + 5], &data[MAX_WINDOW_UPDATES + 5..]);
+        let state = fed(SumMetricKind::Mse, 1 << 40, &data).state().unwrap();
+        assert_eq!(state.get("mse.window_update_sizes").unwrap().len(), MAX_WINDOW_UPDATES);
+        assert_rejects_damaged(&make, &state);
+    }
+
+    #[test]
+    fn state_of_another_metric_or_an_inconsistent_window_is_rejected() {
+        let data = batches(4, 12, false);
+        let state = fed(SumMetricKind::Ctr, 40, &data).state().unwrap();
+        let e = SumMetric::new(SumMetricKind::Mae, 40).unwrap().load_state(&state).unwrap_err().to_string();
+        assert!(e.contains(r#"metric "lifetime_mae,window_mae": unexpected array "ctr.lifetime""#), "{e}");
+        let e = SumMetric::new(SumMetricKind::Ctr, 30).unwrap().load_state(&state).unwrap_err().to_string();
+        assert!(e.contains("saved with window_max = [40.0], but this metric has window_max = [30.0]"), "{e}");
+        assert!(LifetimeMetric::new(SumMetricKind::Ctr).load_state(&state).is_err());
+        // Two queued updates over more samples than the window: push would have dropped one.
+        let mut big = state.clone();
+        let sizes = &mut big.arrays.iter_mut().find(|(n, _)| n == "ctr.window_update_sizes").unwrap().1;
+        assert!(sizes.len() > 1);
+        sizes[0] = 1000.0;
+        let mut m = SumMetric::new(SumMetricKind::Ctr, 40).unwrap();
+        let e = m.load_state(&big).unwrap_err().to_string();
+        assert!(e.contains("more than its 40 (only a single update may exceed it)"), "{e}");
+        assert_eq!(m, SumMetric::new(SumMetricKind::Ctr, 40).unwrap(), "a failed load changes nothing");
+        m.load_state(&state).unwrap();
+        assert_eq!(m, fed(SumMetricKind::Ctr, 40, &data));
     }
 }

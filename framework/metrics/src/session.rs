@@ -9,7 +9,8 @@
 use std::cmp::Ordering;
 
 use crate::rec::Window;
-use crate::{Metric, MetricError, TaskBatch, check_groups, validate_inputs};
+use crate::state::{of_kind, with_kind};
+use crate::{Metric, MetricError, MetricState, TaskBatch, check_groups, validate_inputs};
 
 /// Which session metric, with TorchRec's options.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -223,6 +224,28 @@ impl Metric for SessionMetric {
         self.lifetime = [0.0; 2];
         self.window.clear();
     }
+
+    /// The two lifetime sums `<kind>.lifetime` (`ndcg.lifetime`) and the window: its size
+    /// `<kind>.window_max`, running sums `<kind>.window_sums` and queued updates
+    /// `<kind>.window_update_sums` / `<kind>.window_update_sizes`.
+    fn state(&self) -> Option<MetricState> {
+        let mut state = MetricState::default();
+        state.push("lifetime", self.lifetime);
+        self.window.save(&mut state);
+        Some(with_kind(self.kind.name(), state))
+    }
+
+    fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        let load = || {
+            let names = [&["lifetime"][..], &Window::STATE_NAMES].concat();
+            let state = of_kind(self.kind.name(), state, &names)?;
+            state.finite("lifetime")?;
+            let lifetime = state.get_len("lifetime", 2)?;
+            Ok(([lifetime[0], lifetime[1]], self.window.load(&state)?))
+        };
+        (self.lifetime, self.window) = load().map_err(|e: MetricError| e.in_metric(&self.output_names().join(",")))?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -294,5 +317,41 @@ mod tests {
         assert!(matches!(m.update_batch(&b), Err(MetricError::GroupLength { len: 1, predictions: 2, .. })));
         let bad = SessionMetricKind::RecallSession { top_threshold: 0, run_ranking_of_labels: false };
         assert!(SessionMetric::new(bad, 10).unwrap_err().to_string().contains("top_threshold"));
+    }
+
+    #[test]
+    fn resumes_exactly_from_a_saved_state() {
+        use crate::resume::{assert_rejects_damaged, assert_resumes_exactly, batches};
+        let data = batches(13, 30, true);
+        let kinds = [
+            SessionMetricKind::Ndcg {
+                k: Some(3),
+                exponential_gain: true,
+                report_as_decreasing: true,
+                remove_single_length_sessions: true,
+            },
+            ndcg(None, false),
+            SessionMetricKind::RecallSession { top_threshold: 2, run_ranking_of_labels: false },
+            SessionMetricKind::RecallSession { top_threshold: 1, run_ranking_of_labels: true },
+        ];
+        for kind in kinds {
+            let makers: [&dyn Fn() -> Box<dyn Metric>; 2] =
+                [&|| Box::new(SessionMetric::new(kind, 45).unwrap()), &|| {
+                    Box::new(SessionMetric::for_split(kind).unwrap())
+                }];
+            for make in makers {
+                assert_resumes_exactly(make, &data[..7], &data[7..]);
+                let mut m = make();
+                for b in &data[..7] {
+                    m.update_batch(&b.batch()).unwrap();
+                }
+                assert_rejects_damaged(make, &m.state().unwrap());
+            }
+        }
+        let mut windowed = SessionMetric::new(kinds[0], 45).unwrap();
+        windowed.update_batch(&data[0].batch()).unwrap();
+        assert!(SessionMetric::for_split(kinds[0]).unwrap().load_state(&windowed.state().unwrap()).is_err());
+        let e = SessionMetric::new(kinds[2], 45).unwrap().load_state(&windowed.state().unwrap()).unwrap_err();
+        assert!(e.to_string().contains(r#"unexpected array "ndcg.lifetime""#), "{e}");
     }
 }

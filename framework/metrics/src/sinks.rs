@@ -18,6 +18,16 @@ impl CsvSink {
         Ok(Self { out })
     }
 
+    /// Appends to an existing file (a resumed run's), writing the header if it is new.
+    pub fn append(path: &Path) -> io::Result<Self> {
+        let fresh = std::fs::metadata(path).map_or(true, |m| m.len() == 0);
+        let mut out = BufWriter::new(std::fs::OpenOptions::new().create(true).append(true).open(path)?);
+        if fresh {
+            out.write_all(b"step,split,metric,value\n")?;
+        }
+        Ok(Self { out })
+    }
+
     /// One row per metric.
     pub fn write<'a>(
         &mut self,

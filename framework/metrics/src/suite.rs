@@ -7,7 +7,7 @@ use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::{Metric, MetricError, validate_batch};
+use crate::{Metric, MetricError, MetricState, validate_batch};
 
 /// Which split a report is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -204,6 +204,48 @@ impl MetricSuite {
     pub fn reset(&mut self) {
         self.metrics.iter_mut().for_each(|m| m.reset());
     }
+
+    /// Every metric's state ([`Metric::state`]), in the order the metrics were added; `None`
+    /// when a metric cannot save its state.
+    pub fn state(&self) -> Option<Vec<MetricState>> {
+        self.metrics.iter().map(|m| m.state()).collect()
+    }
+
+    /// Loads `states[i]` into metric `i` ([`Metric::load_state`]), all or nothing: when one
+    /// does not fit, the metrics loaded before it get their previous state back and the error
+    /// is returned.
+    pub fn load_state(&mut self, states: &[MetricState]) -> Result<(), MetricError> {
+        if states.len() != self.metrics.len() {
+            return Err(MetricError::StateCount { expected: self.metrics.len(), got: states.len() });
+        }
+        // Keep the current states to roll back to (and fail early on a metric without one).
+        let mut previous = Vec::with_capacity(self.metrics.len());
+        for m in &self.metrics {
+            match m.state() {
+                Some(current) => previous.push(current),
+                None => return Err(MetricError::StateUnsupported { metric: m.output_names().join(",") }),
+            }
+        }
+        for (i, state) in states.iter().enumerate() {
+            if let Err(e) = self.metrics[i].load_state(state) {
+                let e = e.in_metric(&self.metrics[i].output_names().join(","));
+                for (m, p) in self.metrics[..i].iter_mut().zip(&previous) {
+                    if let Err(rollback) = m.load_state(p) {
+                        // Only a metric that rejects the state it saved itself gets here.
+                        return Err(MetricError::BadState {
+                            metric: m.output_names().join(","),
+                            message: format!(
+                                "undoing a failed load ({e}), the metric rejected its own saved state \
+                                 ({rollback}); the suite is partly restored and should be reset"
+                            ),
+                        });
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -297,5 +339,98 @@ train @ step 12
         assert_eq!(report.to_table(), expected);
         assert_eq!(report.to_string(), expected);
         assert_eq!(render_table("eval", &BTreeMap::new()), "eval\n  metric  value\n  ------  -----\n");
+    }
+
+    /// A plugin metric that does not implement `state`.
+    struct Stateless;
+
+    impl Metric for Stateless {
+        fn output_names(&self) -> Vec<String> {
+            vec!["plain".into()]
+        }
+        fn update(&mut self, _: &[f32], _: &[f32], _: Option<&[f32]>) -> Result<(), MetricError> {
+            Ok(())
+        }
+        fn compute(&self) -> Vec<(String, f64)> {
+            vec![("plain".into(), 1.0)]
+        }
+        fn reset(&mut self) {}
+    }
+
+    fn resumable() -> MetricSuite {
+        use crate::{SessionMetric, SessionMetricKind, SumMetric, SumMetricKind};
+        let recall = SessionMetricKind::RecallSession { top_threshold: 2, run_ranking_of_labels: false };
+        MetricSuite::new(vec![
+            Box::new(NeMetric::new(true)),
+            Box::new(AucMetric::with_window(29).unwrap().grouped()),
+            Box::new(SumMetric::new(SumMetricKind::Ctr, 33).unwrap()),
+            Box::new(SessionMetric::new(recall, 50).unwrap()),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn suite_resumes_exactly() {
+        let data = crate::resume::batches(31, 30, false);
+        let mut a = resumable();
+        for b in &data[..6] {
+            a.update_batch(&b.batch()).unwrap();
+        }
+        let states = a.state().unwrap();
+        assert_eq!(states.len(), 4);
+        let mut b = resumable();
+        b.load_state(&states).unwrap();
+        for batch in &data[6..] {
+            a.update_batch(&batch.batch()).unwrap();
+            b.update_batch(&batch.batch()).unwrap();
+            let bits = |s: &MetricSuite| s.compute().into_iter().map(|(n, v)| (n, v.to_bits())).collect::<Vec<_>>();
+            assert_eq!(bits(&b), bits(&a));
+        }
+        assert_eq!(b.state(), a.state());
+    }
+
+    #[test]
+    fn suite_load_is_all_or_nothing() {
+        let data = crate::resume::batches(8, 10, false);
+        let mut a = resumable();
+        for b in &data[..5] {
+            a.update_batch(&b.batch()).unwrap();
+        }
+        let mut b = resumable();
+        for batch in &data[5..] {
+            b.update_batch(&batch.batch()).unwrap();
+        }
+        let before = b.state().unwrap();
+        let mut states = a.state().unwrap();
+        let e = b.load_state(&states[..3]).unwrap_err();
+        assert!(matches!(e, MetricError::StateCount { expected: 4, got: 3 }), "{e}");
+        assert_eq!(e.to_string(), "the checkpoint holds 3 metric states but the suite has 4 metrics");
+        // The third state is damaged: the first two, already loaded, are rolled back.
+        states[2].arrays[0].1.clear();
+        let e = b.load_state(&states).unwrap_err().to_string();
+        assert!(e.starts_with(r#"cannot restore the state of metric "lifetime_ctr,window_ctr": "#), "{e}");
+        assert_eq!(b.state().unwrap(), before);
+        // Swapped states are another metric's.
+        let mut swapped = a.state().unwrap();
+        swapped.swap(0, 2);
+        assert!(b.load_state(&swapped).is_err());
+        assert_eq!(b.state().unwrap(), before);
+    }
+
+    #[test]
+    fn metric_without_state_makes_the_suite_unresumable() {
+        let mut s = MetricSuite::new(vec![Box::new(NeMetric::new(false)), Box::new(Stateless)]).unwrap();
+        assert!(Stateless.state().is_none());
+        let e = Stateless.load_state(&MetricState::default()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "metric \"plain\" cannot save or restore its state (it does not implement Metric::state and \
+             Metric::load_state), so a checkpoint cannot resume it exactly"
+        );
+        assert!(s.state().is_none());
+        let states = vec![NeMetric::new(false).state().unwrap(), MetricState::default()];
+        assert!(
+            matches!(s.load_state(&states), Err(MetricError::StateUnsupported { ref metric }) if metric == "plain")
+        );
     }
 }

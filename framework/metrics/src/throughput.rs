@@ -3,7 +3,8 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::MetricError;
+use crate::state::{of_kind, with_kind};
+use crate::{MetricError, MetricState};
 
 /// TorchRec's default warm-up: steps not timed.
 pub const THROUGHPUT_WARMUP_STEPS: u64 = 100;
@@ -25,12 +26,20 @@ pub const THROUGHPUT_WINDOW_SECONDS: f64 = 100.0;
 /// reported only after warm-up (as TorchRec; `total_examples` always is). TorchRec multiplies
 /// the window's step count by the configured batch size; this counts each step's own examples,
 /// which is the same for fixed batches and right for a short last batch.
+///
+/// **Checkpoints.** [`ThroughputMetric::state`] saves the step and example counts and the
+/// measured time lapses (durations, not clock readings); [`ThroughputMetric::load_state`]
+/// restores them, so `total_examples` continues exactly and the throughputs continue over the
+/// time spent training. Wall-clock time cannot be restored: the first step after a load
+/// restarts the clock, like the last warm-up step (its examples are counted, not timed), and
+/// the time between the checkpoint and that step is not counted.
 #[derive(Clone, Debug)]
 pub struct ThroughputMetric {
     warmup_steps: u64,
     window_seconds: f64,
     steps: u64,
     total_examples: u64,
+    /// Examples of the steps not timed: warm-up and the first step after a load.
     warmup_examples: u64,
     after_warmup_s: f64,
     previous: Option<f64>,
@@ -89,6 +98,12 @@ impl ThroughputMetric {
             }
             return;
         }
+        if self.previous.is_none() {
+            // The first step after `load_state`: restart the clock, as at the end of warm-up.
+            self.warmup_examples += examples;
+            self.previous = Some(now_s);
+            return;
+        }
         let lapse = (now_s - self.previous.unwrap_or(now_s)).max(0.0);
         self.previous = Some(now_s);
         self.after_warmup_s += lapse;
@@ -100,6 +115,87 @@ impl ThroughputMetric {
             self.window_s -= l;
             self.window_examples -= e;
         }
+    }
+
+    /// The counts and measured lapses (see [`ThroughputMetric`]), each array named
+    /// `throughput.<name>`: the options `warmup_steps` and `window_seconds`, the counts `steps`,
+    /// `total_examples` and `untimed_examples`, the timed seconds `after_warmup_s`, and the
+    /// window's steps `window_lapses` (seconds) / `window_examples` with their running sum
+    /// `window_s`. Counts are exact below 2^53.
+    pub fn state(&self) -> MetricState {
+        let mut state = MetricState::default();
+        state.push_counts("warmup_steps", [self.warmup_steps]);
+        state.push("window_seconds", [self.window_seconds]);
+        state.push_counts("steps", [self.steps]);
+        state.push_counts("total_examples", [self.total_examples]);
+        state.push_counts("untimed_examples", [self.warmup_examples]);
+        state.push("after_warmup_s", [self.after_warmup_s]);
+        state.push("window_lapses", self.window.iter().map(|&(lapse, _)| lapse));
+        state.push_counts("window_examples", self.window.iter().map(|&(_, examples)| examples));
+        state.push("window_s", [self.window_s]);
+        with_kind("throughput", state)
+    }
+
+    /// Restores what [`ThroughputMetric::state`] saved into a metric with the same options; the
+    /// next step restarts the clock. A state that does not fit is an error and changes nothing.
+    pub fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        self.load(state).map_err(|e| e.in_metric("throughput"))
+    }
+
+    fn load(&mut self, state: &MetricState) -> Result<(), MetricError> {
+        const NAMES: [&str; 9] = [
+            "warmup_steps",
+            "window_seconds",
+            "steps",
+            "total_examples",
+            "untimed_examples",
+            "after_warmup_s",
+            "window_lapses",
+            "window_examples",
+            "window_s",
+        ];
+        let state = of_kind("throughput", state, &NAMES)?;
+        state.expect_array("warmup_steps", &[self.warmup_steps as f64])?;
+        state.expect_array("window_seconds", &[self.window_seconds])?;
+        let count = |name: &str| -> Result<u64, MetricError> {
+            state.get_len(name, 1)?;
+            Ok(state.counts(name)?[0])
+        };
+        let seconds = |name: &str| -> Result<f64, MetricError> {
+            match state.scalar(name)? {
+                v if v.is_finite() && v >= 0.0 => Ok(v),
+                v => Err(MetricError::bad_state(format!("{name} = {v} is not a duration in seconds"))),
+            }
+        };
+        let (steps, total_examples, untimed) = (count("steps")?, count("total_examples")?, count("untimed_examples")?);
+        if untimed > total_examples {
+            return Err(MetricError::bad_state(format!(
+                "untimed_examples {untimed} exceeds total_examples {total_examples}"
+            )));
+        }
+        let (after_warmup_s, window_s) = (seconds("after_warmup_s")?, seconds("window_s")?);
+        let examples = state.counts("window_examples")?;
+        state.finite("window_lapses")?;
+        let lapses = state.get_len("window_lapses", examples.len())?;
+        if let Some((i, l)) = lapses.iter().enumerate().find(|(_, l)| **l < 0.0) {
+            return Err(MetricError::bad_state(format!("window_lapses[{i}] = {l} is negative")));
+        }
+        let window_examples = examples.iter().sum::<u64>();
+        if window_examples > total_examples - untimed {
+            return Err(MetricError::bad_state(format!(
+                "the window holds {window_examples} examples, more than the {} timed ones",
+                total_examples - untimed
+            )));
+        }
+        self.steps = steps;
+        self.total_examples = total_examples;
+        self.warmup_examples = untimed;
+        self.after_warmup_s = after_warmup_s;
+        self.previous = None;
+        self.window = lapses.iter().copied().zip(examples).collect();
+        self.window_s = window_s;
+        self.window_examples = window_examples;
+        Ok(())
     }
 
     /// `total_examples`, and after warm-up `lifetime_throughput` and `window_throughput`
@@ -147,5 +243,66 @@ mod tests {
         m.update(10);
         m.update(10);
         assert_eq!(m.compute()[0].1, 20.0);
+    }
+
+    #[test]
+    fn state_restores_counts_and_lapses_and_restarts_the_clock() {
+        let mut m = ThroughputMetric::new(2, 3.0).unwrap();
+        for (t, e) in [(10.0, 100), (11.0, 100), (12.0, 100), (14.0, 100)] {
+            m.update_at(e, t);
+        }
+        let state = m.state();
+        let mut r = ThroughputMetric::new(2, 3.0).unwrap();
+        r.load_state(&state).unwrap();
+        assert_eq!(r.state(), state);
+        let bits = |v: Vec<(String, f64)>| v.into_iter().map(|(n, v)| (n, v.to_bits())).collect::<Vec<_>>();
+        assert_eq!(bits(r.compute()), bits(m.compute()));
+        // Another clock: the first step restarts it (counted, not timed), the next is timed.
+        r.update_at(50, 1000.0);
+        let v: std::collections::BTreeMap<String, f64> = r.compute().into_iter().collect();
+        assert_eq!((v["total_examples"], v["lifetime_throughput"]), (450.0, 200.0 / 3.0));
+        r.update_at(100, 1001.0);
+        let v: std::collections::BTreeMap<String, f64> = r.compute().into_iter().collect();
+        assert_eq!(v["total_examples"], 550.0);
+        assert_eq!(v["lifetime_throughput"], 300.0 / 4.0);
+        // Lapses 1, 2 (restored) and 1 exceed 3 s: the oldest goes, 200 examples in 3 s remain.
+        assert_eq!(v["window_throughput"], 200.0 / 3.0);
+        assert!(
+            ThroughputMetric::new(3, 3.0).unwrap().load_state(&state).unwrap_err().to_string().contains("warmup_steps")
+        );
+    }
+
+    #[test]
+    fn damaged_state_is_rejected_and_changes_nothing() {
+        let mut m = ThroughputMetric::new(1, 5.0).unwrap();
+        for (i, e) in [7u64, 9, 11, 13].into_iter().enumerate() {
+            m.update_at(e, i as f64 * 0.5);
+        }
+        let state = m.state();
+        let mut r = ThroughputMetric::new(1, 5.0).unwrap();
+        r.load_state(&state).unwrap();
+        for i in 0..state.arrays.len() {
+            let mut variants = Vec::new();
+            let mut s = state.clone();
+            s.arrays.remove(i);
+            variants.push(s);
+            let mut s = state.clone();
+            s.arrays[i].1.push(0.0);
+            variants.push(s);
+            let mut s = state.clone();
+            s.arrays[i].1[0] = f64::NAN;
+            variants.push(s);
+            let mut s = state.clone();
+            s.arrays[i].1[0] = -1.0;
+            variants.push(s);
+            for (v, s) in variants.iter().enumerate() {
+                let name = &state.arrays[i].0;
+                assert!(matches!(r.load_state(s), Err(MetricError::BadState { .. })), "{name}, variant {v}");
+                assert_eq!(r.state(), state, "{name}, variant {v}");
+            }
+        }
+        let mut s = state.clone();
+        s.arrays.iter_mut().find(|(n, _)| n == "throughput.untimed_examples").unwrap().1[0] = 1000.0;
+        assert!(r.load_state(&s).unwrap_err().to_string().contains("exceeds total_examples"));
     }
 }

@@ -12,6 +12,8 @@ use std::collections::VecDeque;
 
 use rayon::prelude::*;
 
+use crate::{MetricError, MetricState, kernels};
+
 /// Kept samples, oldest first.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct SampleWindow {
@@ -30,6 +32,13 @@ pub(crate) fn descending_key(x: f32) -> u32 {
     // -0.0 and 0.0 are equal predictions (a tie), as `partial_cmp` has them.
     let b = if x == 0.0 { 0 } else { x.to_bits() };
     !(if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 })
+}
+
+/// The prediction whose [`descending_key`] is `key` (`0.0` for the key of both zeros).
+#[inline]
+fn from_descending_key(key: u32) -> f32 {
+    let b = !key;
+    f32::from_bits(if b & 0x8000_0000 != 0 { b & 0x7fff_ffff } else { !b })
 }
 
 #[inline]
@@ -143,6 +152,81 @@ impl SampleWindow {
     /// Whether a grouping key is kept per sample.
     pub(crate) fn is_grouped(&self) -> bool {
         self.groups.is_some()
+    }
+
+    /// Saves the samples into `state` as the arrays `predictions`, `labels`, `weights` (one
+    /// value per sample, oldest first), `soft_labels` (whether labels other than 0 and 1 are
+    /// kept) and, for a grouped window, `groups_hi` / `groups_lo` (the high, signed, and low
+    /// 32 bits of each grouping key). A `-0.0` prediction or weight is saved as `0.0`, which the
+    /// window does not tell apart.
+    pub(crate) fn save(&self, state: &mut MetricState) {
+        state.push("predictions", self.packed.iter().map(|&r| f64::from(from_descending_key((r >> 32) as u32))));
+        match &self.soft_labels {
+            Some(labels) => state.push("labels", labels.iter().map(|&y| f64::from(y))),
+            None => state.push("labels", self.packed.iter().map(|&r| f64::from(unpack_hard_label(r)))),
+        }
+        state.push("weights", self.packed.iter().map(|&r| f64::from(unpack_weight(r))));
+        state.push("soft_labels", [if self.soft_labels.is_some() { 1.0 } else { 0.0 }]);
+        if let Some(groups) = &self.groups {
+            state.push("groups_hi", groups.iter().map(|&g| f64::from((g >> 32) as i32)));
+            state.push("groups_lo", groups.iter().map(|&g| f64::from(g as u32)));
+        }
+    }
+
+    /// The names of the arrays [`SampleWindow::save`] writes.
+    pub(crate) fn state_names(grouped: bool) -> &'static [&'static str] {
+        const NAMES: [&str; 6] = ["predictions", "labels", "weights", "soft_labels", "groups_hi", "groups_lo"];
+        if grouped { &NAMES[..6] } else { &NAMES[..4] }
+    }
+
+    /// The window [`SampleWindow::save`] wrote into `state`, checked: as many labels, weights
+    /// (and, when `grouped`, grouping keys) as predictions, at most `max_len` samples, and
+    /// samples a batch could have brought.
+    pub(crate) fn load(state: &MetricState, grouped: bool, max_len: Option<usize>) -> Result<Self, MetricError> {
+        let predictions = state.f32s("predictions")?;
+        let n = predictions.len();
+        if let Some(max) = max_len
+            && n > max
+        {
+            return Err(MetricError::bad_state(format!(
+                "the state holds {n} samples but the window keeps at most {max}"
+            )));
+        }
+        let labels = state.f32s("labels")?;
+        let weights = state.f32s("weights")?;
+        for (name, len) in [("labels", labels.len()), ("weights", weights.len())] {
+            if len != n {
+                return Err(MetricError::bad_state(format!("{name} has {len} values for {n} predictions")));
+            }
+        }
+        crate::validate_batch(&predictions, &labels, Some(&weights))
+            .map_err(|e| MetricError::bad_state(format!("a saved sample is invalid: {e}")))?;
+        let soft = state.flag("soft_labels")?;
+        if !soft && !kernels::all_hard(&labels) {
+            return Err(MetricError::bad_state("soft_labels is 0 but a label is neither 0 nor 1"));
+        }
+        let groups = if grouped {
+            let (hi, lo) = (state.get_len("groups_hi", n)?, state.get_len("groups_lo", n)?);
+            let half = |name: &str, i: usize, v: f64, range: std::ops::Range<f64>| {
+                if v.fract() == 0.0 && range.contains(&v) {
+                    Ok(v as i64)
+                } else {
+                    Err(MetricError::bad_state(format!("{name}[{i}] = {v} is not a 32-bit half of a grouping key")))
+                }
+            };
+            let keys = (0..n)
+                .map(|i| {
+                    let h = half("groups_hi", i, hi[i], -2_147_483_648.0..2_147_483_648.0)?;
+                    let l = half("groups_lo", i, lo[i], 0.0..4_294_967_296.0)?;
+                    Ok((h << 32) | l)
+                })
+                .collect::<Result<VecDeque<i64>, MetricError>>()?;
+            Some(keys)
+        } else {
+            None
+        };
+        let packed = predictions.iter().zip(&labels).zip(&weights).map(|((&p, &y), &w)| pack(p, y, w)).collect();
+        Ok(Self { packed, soft_labels: soft.then(|| labels.into()), groups })
     }
 
     /// Calls `f` on every sample by descending prediction, tied predictions in arrival order.
@@ -303,6 +387,38 @@ mod tests {
         let mut seen = Vec::new();
         w.sweep(false, |v| seen.push((v.label, v.weight)));
         assert_eq!(seen, [(1.0, 2.0), (0.25, 1.0), (0.0, 3.0)]);
+    }
+
+    #[test]
+    fn descending_key_inverts() {
+        for x in [0.0f32, 1.0, -1.0, 0.5, f32::MIN_POSITIVE, -f32::MAX, f32::MAX, 1e-42, -3.25] {
+            assert_eq!(from_descending_key(descending_key(x)).to_bits(), x.to_bits(), "{x}");
+        }
+        assert_eq!(from_descending_key(descending_key(-0.0)).to_bits(), 0.0f32.to_bits());
+    }
+
+    #[test]
+    fn save_and_load_restore_the_window_exactly() {
+        let mut w = SampleWindow::new(true);
+        w.push(Some(5), &[0.1, -0.0, 0.7], &[0.0, 1.0, 1.0], Some(&[2.0, 0.5, 1.0]), Some(&[i64::MIN, -1, 7]));
+        let mut state = MetricState::default();
+        w.save(&mut state);
+        assert_eq!(SampleWindow::load(&state, true, Some(5)).unwrap(), w);
+        w.push(Some(5), &[0.3, 0.9], &[0.25, 1.0], None, Some(&[i64::MAX, 1 << 40]));
+        let mut state = MetricState::default();
+        w.save(&mut state);
+        assert_eq!(SampleWindow::load(&state, true, Some(5)).unwrap(), w);
+        let e = SampleWindow::load(&state, true, Some(4)).unwrap_err().to_string();
+        assert!(e.contains("holds 5 samples but the window keeps at most 4"), "{e}");
+        let mut short = state.clone();
+        short.arrays[1].1.pop();
+        assert!(SampleWindow::load(&short, true, None).unwrap_err().to_string().contains("labels has 4 values"));
+        let mut bad_group = state.clone();
+        bad_group.arrays.iter_mut().find(|(n, _)| n == "groups_lo").unwrap().1[0] = -1.0;
+        assert!(SampleWindow::load(&bad_group, true, None).is_err());
+        let mut bad_label = state;
+        bad_label.arrays[1].1[0] = 2.0;
+        assert!(SampleWindow::load(&bad_label, true, None).unwrap_err().to_string().contains("out of range"));
     }
 
     #[test]

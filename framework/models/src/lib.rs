@@ -15,7 +15,7 @@ pub mod two_tower;
 pub use deepfm::{DeepFm, DeepFmConfig, DeepFmFactory};
 pub use dlrm::{Dlrm, DlrmConfig, DlrmFactory};
 pub use dlrm_dcn::{DlrmDcn, DlrmDcnConfig, DlrmDcnFactory};
-pub use optim::DenseOptimizer;
+pub use optim::{DenseOptimizer, OptimStateError};
 pub use two_tower::{TwoTower, TwoTowerConfig, TwoTowerFactory};
 
 use tch::{Tensor, nn};

@@ -420,6 +420,15 @@ pub struct TrainSection {
     /// Window of the training metrics, in samples (TorchRec's `window_size`).
     #[serde(default = "defaults::metrics_window")]
     pub metrics_window: u64,
+    /// Save a checkpoint every this many steps into `<output_dir>/checkpoints/step-<N>`
+    /// (every rank's shards with their optimizer state, the dense model and its optimizer,
+    /// managed-collision state, the data position and the training metrics); resume with
+    /// `trainrec run --resume <output_dir>`. Default: no checkpoints.
+    #[serde(default)]
+    pub checkpoint_every: Option<u64>,
+    /// Checkpoints kept: older ones are deleted once a newer one is complete.
+    #[serde(default = "defaults::keep_checkpoints")]
+    pub keep_checkpoints: u64,
 }
 
 /// `[[metrics]]`: one metric on the eval split.
@@ -582,6 +591,10 @@ pub mod defaults {
     /// Default `train.metrics_window`: 100,000 samples.
     pub fn metrics_window() -> u64 {
         100_000
+    }
+    /// Default `train.keep_checkpoints`.
+    pub fn keep_checkpoints() -> u64 {
+        3
     }
     /// Default `train.progress`.
     pub fn progress() -> bool {

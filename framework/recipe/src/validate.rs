@@ -263,6 +263,8 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         ("log_every", Some(recipe.train.log_every)),
         ("metrics_every", recipe.train.metrics_every),
         ("metrics_window", Some(recipe.train.metrics_window)),
+        ("checkpoint_every", recipe.train.checkpoint_every),
+        ("keep_checkpoints", Some(recipe.train.keep_checkpoints)),
     ] {
         if v == Some(0) {
             out.push(Diagnostic::new(train.key(key), format!("{key} must be greater than 0")));

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use trainrec_engine::{EngineError, Job, Registry, load_and_check};
+use trainrec_engine::{EngineError, Registry, load_and_check};
 use trainrec_recipe::LoadOptions;
 
 /// Train large recommendation models from a TOML recipe.
@@ -43,10 +43,17 @@ impl Overrides {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Train (and evaluate) the job a recipe describes.
+    /// Train (and evaluate) the job a recipe describes; or, with `--resume RUN_DIR`, go on
+    /// from the run's newest checkpoint.
     Run {
-        /// The recipe file.
-        recipe: PathBuf,
+        /// The recipe file (with `--resume`: default `RUN_DIR/resolved.toml`).
+        #[arg(required_unless_present = "resume")]
+        recipe: Option<PathBuf>,
+        /// Resume the run in this directory from its newest complete checkpoint
+        /// (`train.checkpoint_every`). `--set train.steps=N` trains longer;
+        /// `--set topology.world_size=N` reshards onto N ranks.
+        #[arg(long, value_name = "RUN_DIR")]
+        resume: Option<PathBuf>,
         /// Overrides.
         #[command(flatten)]
         overrides: Overrides,
@@ -99,6 +106,19 @@ pub enum Command {
         /// Which conversion.
         #[command(subcommand)]
         which: ConvertCommand,
+    },
+    /// Write a run's newest checkpoint (or `--step N`'s) as one unsharded safetensors file:
+    /// `embedding_bags.<table>.weight` (TorchRec's EBC state-dict names), `dense.<variable>`,
+    /// and `managed_collisions.<table>.ids`; loadable with `safetensors.torch.load_file`.
+    Export {
+        /// A run directory with checkpoints (`train.checkpoint_every`).
+        run_dir: PathBuf,
+        /// The file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Export the checkpoint of this step instead of the newest.
+        #[arg(long)]
+        step: Option<u64>,
     },
     /// Render PNG plots of every metric of a run over its steps into `RUN_DIR/plots/`.
     Report {
@@ -566,7 +586,9 @@ pub fn main_with(registry: Registry) -> ExitCode {
             print!("{}", list(&registry));
             ExitCode::SUCCESS
         }
-        Command::Run { recipe, overrides } => run(&registry, &recipe, &overrides.options()),
+        Command::Run { recipe, resume, overrides } => {
+            run(&registry, recipe.as_deref(), resume.as_deref(), &overrides.options())
+        }
         Command::Launch { nproc, recipe, overrides } => launch(nproc, &recipe, &overrides),
         Command::Validate { recipes, overrides } => validate(&registry, &recipes, &overrides.options()),
         Command::Plan { recipe, world_size, out, overrides } => {
@@ -576,6 +598,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             }
             plan(&registry, &recipe, out, &options)
         }
+        Command::Export { run_dir, out, step } => export(&run_dir, &out, step),
         Command::Report { run_dir } => match crate::report::render(&run_dir) {
             Ok(files) => {
                 println!("wrote {} plots to {}", files.len(), run_dir.join("plots").display());
@@ -825,8 +848,9 @@ fn run_mpi(
     loaded: &trainrec_recipe::LoadedRecipe,
     features: &trainrec_data::FeatureSchema,
     registry: &Registry,
+    resume: Option<&std::path::Path>,
 ) -> Result<Option<trainrec_engine::RunSummary>, EngineError> {
-    trainrec_engine::dist::run_mpi(loaded, features, registry)
+    trainrec_engine::dist::run_mpi(loaded, features, registry, resume)
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -834,6 +858,7 @@ fn run_mpi(
     _: &trainrec_recipe::LoadedRecipe,
     _: &trainrec_data::FeatureSchema,
     _: &Registry,
+    _: Option<&std::path::Path>,
 ) -> Result<Option<trainrec_engine::RunSummary>, EngineError> {
     Err(EngineError::Internal(
         "started by mpirun, but this trainrec binary has no MPI support: build it with `cargo build --release -p trainrec --features mpi` (Open MPI: scripts/ensure-mpi.sh), or run without mpirun to train the ranks as threads of one process".into(),
@@ -881,23 +906,146 @@ fn launch(nproc: usize, recipe: &std::path::Path, overrides: &Overrides) -> Exit
     }
 }
 
-fn run(registry: &Registry, path: &std::path::Path, options: &LoadOptions) -> ExitCode {
-    let (loaded, features) = match load_and_check(path, options, registry) {
+/// `trainrec export`.
+fn export(run_dir: &std::path::Path, out: &std::path::Path, step: Option<u64>) -> ExitCode {
+    use trainrec_engine::checkpoint::{latest, step_dir_name};
+    let root = run_dir.join("checkpoints");
+    let dir = match step {
+        Some(n) => {
+            Ok(Some(root.join(step_dir_name(n))).filter(|d| d.join(trainrec_engine::checkpoint::MANIFEST).is_file()))
+        }
+        None => latest(&root),
+    };
+    let dir = match dir {
+        Ok(Some(d)) => d,
+        Ok(None) => {
+            let which =
+                step.map_or("no complete checkpoint".to_string(), |n| format!("no complete checkpoint of step {n}"));
+            eprintln!("error: {which} under {} (set train.checkpoint_every to save them)", root.display());
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match trainrec_engine::export::export(&dir, out) {
+        Ok(s) => {
+            println!(
+                "exported step {} ({} tables, {} dense tensors, {:.1} MB) to {}",
+                s.step,
+                s.tables.len(),
+                s.dense,
+                s.bytes as f64 / 1e6,
+                out.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The checkpoint a `--resume RUN_DIR` continues from, and the recipe to load: the given one
+/// or the run's `resolved.toml` (its relative paths resolving where the original recipe's
+/// did), writing into `RUN_DIR`.
+fn resume_point(
+    run_dir: &std::path::Path,
+    recipe: Option<&std::path::Path>,
+    options: &mut LoadOptions,
+) -> Result<(PathBuf, trainrec_engine::checkpoint::Checkpoint, PathBuf), String> {
+    use trainrec_engine::checkpoint::{Checkpoint, latest};
+    let root = run_dir.join("checkpoints");
+    let dir = latest(&root).map_err(|e| e.to_string())?.ok_or_else(|| {
+        format!(
+            "--resume {}: no complete checkpoint under {} (set train.checkpoint_every to save them)",
+            run_dir.display(),
+            root.display()
+        )
+    })?;
+    let ck = Checkpoint::open(&dir).map_err(|e| e.to_string())?;
+    let path = recipe.map_or_else(|| run_dir.join("resolved.toml"), std::path::Path::to_path_buf);
+    let out = toml::Value::String(run_dir.display().to_string());
+    options.overrides.insert(0, format!("run.output_dir={out}"));
+    Ok((path, ck, dir))
+}
+
+fn run(
+    registry: &Registry,
+    recipe: Option<&std::path::Path>,
+    resume: Option<&std::path::Path>,
+    options: &LoadOptions,
+) -> ExitCode {
+    let mut options = options.clone();
+    let (path, checkpoint) = match resume {
+        Some(run_dir) => match resume_point(run_dir, recipe, &mut options) {
+            Ok((path, ck, dir)) => (path, Some((ck, dir))),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => (recipe.expect("clap requires a recipe without --resume").to_path_buf(), None),
+    };
+    let loaded = trainrec_recipe::load(&path, &options).and_then(|mut loaded| {
+        if let (Some((ck, _)), None) = (&checkpoint, recipe) {
+            // The run's resolved.toml: its relative paths are the original recipe's.
+            loaded.base_dir = ck.manifest.base_dir.clone();
+        }
+        trainrec_engine::configure_threads(loaded.recipe.run.threads);
+        let features = trainrec_engine::check_loaded(&loaded, registry)?;
+        Ok((loaded, features))
+    });
+    let (loaded, features) = match loaded {
         Ok(x) => x,
         Err(diags) => {
             eprintln!("{diags}");
             return ExitCode::from(2);
         }
     };
+    let resume_dir = match &checkpoint {
+        Some((ck, dir)) => {
+            let now = match loaded.resolved_toml() {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("error: cannot serialize the recipe: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match trainrec_engine::checkpoint::changed_keys(&ck.manifest.recipe, &now) {
+                Ok(changed) if changed.is_empty() => {}
+                Ok(changed) => {
+                    eprintln!(
+                        "error: --resume: the recipe differs from the one checkpoint {} was trained with:\n  {}\nhelp: a checkpoint continues the same model and data; only these keys may change: {}",
+                        dir.display(),
+                        changed.join("\n  "),
+                        trainrec_engine::checkpoint::RESUMABLE_KEYS.join(", ")
+                    );
+                    return ExitCode::from(2);
+                }
+                Err(e) => {
+                    eprintln!("error: --resume: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+            eprintln!("resuming from {} (step {})", dir.display(), ck.manifest.step);
+            Some(dir.clone())
+        }
+        None => None,
+    };
+    drop(checkpoint);
+    let resume = resume_dir.as_deref();
     // Training allocates the same large tensors every step: keep their pages mapped.
     let tuned = trainrec_engine::tensors::tune_allocator();
     tracing::debug!(tuned, "allocator tuning");
     let result = match (loaded.recipe.topology.world_size, trainrec_engine::dist::mpirun_world_size()) {
         // Started by `mpirun`: this process is one rank (the MPI backend).
-        (_, Some(_)) => run_mpi(&loaded, &features, registry),
+        (_, Some(_)) => run_mpi(&loaded, &features, registry, resume),
         // One rank per thread of this process (the in-process backend).
-        (w, None) if w > 1 => trainrec_engine::dist::run_threads(&loaded, &features, registry).map(Some),
-        _ => Job::build(&loaded, &features, registry).and_then(|mut job| job.run()).map(Some),
+        (w, None) if w > 1 => trainrec_engine::dist::run_threads_from(&loaded, &features, registry, resume).map(Some),
+        _ => trainrec_engine::dist::run_local(&loaded, &features, registry, resume).map(Some),
     };
     match result {
         // Ranks other than 0 of an MPI job report nothing.

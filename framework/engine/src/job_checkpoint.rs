@@ -1,0 +1,397 @@
+//! A job's checkpoints: what [`Job`] saves (see [`crate::checkpoint`] for the format) and how
+//! it resumes from them.
+//!
+//! Tensor names in the checkpoint:
+//! - `sparse.<table>.rows<a>-<b>.cols<c>-<d>.weight` / `.optimizer_state`: every rank's blocks
+//!   of every table (data-parallel replicas once);
+//! - `dense.<variable>`: the dense model's variables (VarStore names);
+//! - `dense_opt.<name>`: the dense optimizer's state;
+//! - `mc.<table>.<ids|counts|last_access|window_ids|window_counts|window_last>`: managed
+//!   collisions;
+//! - `metrics.train.<task>.<metric>.<array>`: the training metrics' windows and sums.
+//!
+//! The rest (the loop's position, the running loss, statistics) is JSON in the manifest's
+//! `state`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+use trainrec_embedding::StatePart;
+use trainrec_embedding::mc::{McState, McStats};
+use trainrec_metrics::{MetricState, MetricSuite, ThroughputMetric};
+
+use super::Job;
+use crate::checkpoint::{Checkpoint, CheckpointError, Contents, Header, TensorData};
+use crate::error::EngineError;
+
+/// Where the training loop stands: saved with every checkpoint and restored on resume. Floats
+/// are kept as their bits (JSON has no NaN, and the values must come back exactly).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(super) struct Progress {
+    /// Steps taken.
+    pub step: u64,
+    /// Examples seen (every rank's).
+    pub samples: u64,
+    /// The epoch in progress.
+    pub epoch: u64,
+    /// Batches this rank read in that epoch.
+    pub in_epoch: u64,
+    /// Ranks that read them.
+    pub world_size: usize,
+    /// The loss window: sum (bits) and steps.
+    pub window_sum: u64,
+    /// Steps in the loss window.
+    pub window_count: u64,
+    /// The first reported mean loss (bits).
+    pub first_loss: Option<u64>,
+    /// The last reported mean loss (bits).
+    pub last_loss: u64,
+    /// The last evaluation's values (bits).
+    pub last_eval: Option<BTreeMap<String, u64>>,
+}
+
+impl Progress {
+    pub(super) fn window(&self) -> (f64, u64) {
+        (f64::from_bits(self.window_sum), self.window_count)
+    }
+    pub(super) fn set_window(&mut self, (sum, n): (f64, u64)) {
+        (self.window_sum, self.window_count) = (sum.to_bits(), n);
+    }
+    pub(super) fn last_eval(&self) -> Option<BTreeMap<String, f64>> {
+        self.last_eval.as_ref().map(|m| m.iter().map(|(k, &v)| (k.clone(), f64::from_bits(v))).collect())
+    }
+    pub(super) fn set_last_eval(&mut self, m: &BTreeMap<String, f64>) {
+        self.last_eval = Some(m.iter().map(|(k, v)| (k.clone(), v.to_bits())).collect());
+    }
+}
+
+/// Managed-collision counters of one table (its arrays are tensors).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct McRecord {
+    table: String,
+    step: u64,
+    lookups: u64,
+    fallbacks: u64,
+    last_evictions: u64,
+    last_admissions: u64,
+    evictions: u64,
+}
+
+/// The manifest's `state`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct JobState {
+    progress: Progress,
+    mc: Vec<McRecord>,
+    /// Per task, per metric: the names of its state arrays (`None`: a metric without
+    /// checkpointable state, so the training metrics restart at resume).
+    train_metrics: Option<Vec<Vec<Vec<String>>>>,
+    /// The names of the throughput metric's state arrays.
+    throughput: Vec<String>,
+}
+
+fn tensor_data(name: &str, t: &Tensor) -> Result<TensorData, EngineError> {
+    let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
+    let flat = t.detach().to_device(tch::Device::Cpu).contiguous().view([-1]);
+    let bad = |e: tch::TchError| EngineError::Internal(format!("checkpoint tensor {name}: {e}"));
+    Ok(match t.kind() {
+        Kind::Float => TensorData::f32(shape, &Vec::<f32>::try_from(&flat).map_err(bad)?),
+        Kind::Double => TensorData::f64(shape, &Vec::<f64>::try_from(&flat).map_err(bad)?),
+        Kind::Int64 => TensorData::i64(shape, &Vec::<i64>::try_from(&flat).map_err(bad)?),
+        k => return Err(EngineError::Internal(format!("checkpoint tensor {name}: {k:?} is not saved"))),
+    })
+}
+
+/// Tensor `name` of the checkpoint as a CPU tensor of its saved type.
+fn read_tensor(ck: &Checkpoint, name: &str) -> Result<Tensor, EngineError> {
+    let dtype = ck.manifest.tensors.get(name).map(|t| t.dtype.clone()).unwrap_or_default();
+    let (shape, t) = match dtype.as_str() {
+        "F64" => {
+            let (shape, v) = ck.f64(name)?;
+            (shape, Tensor::from_slice(&v))
+        }
+        "I64" => {
+            let (shape, v) = ck.i64(name)?;
+            (shape, Tensor::from_slice(&v))
+        }
+        _ => {
+            let (shape, v) = ck.f32(name)?;
+            (shape, Tensor::from_slice(&v))
+        }
+    };
+    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    Ok(t.reshape(dims.as_slice()))
+}
+
+fn incompatible(ck: &Checkpoint, message: String) -> EngineError {
+    CheckpointError::Incompatible { dir: ck.dir().to_path_buf(), message }.into()
+}
+
+impl Job {
+    /// The sparse optimizer's state layout of table `name`.
+    fn state_layout(&self, name: &str) -> Vec<StatePart> {
+        let table = self.recipe.tables.iter().find(|t| t.name == name);
+        table.and_then(|t| t.optimizer.as_ref()).unwrap_or(&self.recipe.optimizer.sparse).state_layout().to_vec()
+    }
+
+    /// Saves a checkpoint of the job after `progress.step` into `<output_dir>/checkpoints`
+    /// (every rank calls it). `train_suites` are the training metrics.
+    pub(super) fn save_checkpoint(
+        &self,
+        progress: &Progress,
+        train_suites: Option<&[MetricSuite]>,
+        throughput: &ThroughputMetric,
+    ) -> Result<std::path::PathBuf, EngineError> {
+        let _span = tracing::info_span!("checkpoint", step = progress.step).entered();
+        let pg = self.sync.as_ref().map(|s| s.pg.as_ref());
+        let lead = pg.is_none_or(|g| g.rank() == 0);
+        let mut contents = Contents { tensors: Vec::new(), shards: Vec::new() };
+        contents.add_shards(self.sparse.local_shards(), |t| self.state_layout(t), lead);
+        let header = if lead {
+            let vars: BTreeMap<String, Tensor> = self.vs.variables().into_iter().collect();
+            for (name, t) in &vars {
+                contents.tensors.push((format!("dense.{name}"), tensor_data(name, t)?));
+            }
+            for (name, t) in self.dense_opt.state() {
+                contents.tensors.push((format!("dense_opt.{name}"), tensor_data(&name, &t)?));
+            }
+            let mut mc = Vec::new();
+            for (table, s) in self.mc.states() {
+                let p = format!("mc.{table}");
+                contents.tensors.push((format!("{p}.ids"), TensorData::i64(vec![s.ids.len()], &s.ids)));
+                contents.tensors.push((format!("{p}.counts"), TensorData::u64s(&s.counts)));
+                contents.tensors.push((format!("{p}.last_access"), TensorData::u64s(&s.last_access)));
+                let ids: Vec<i64> = s.window.iter().map(|w| w.0).collect();
+                let counts: Vec<u64> = s.window.iter().map(|w| w.1).collect();
+                let last: Vec<u64> = s.window.iter().map(|w| w.2).collect();
+                contents.tensors.push((format!("{p}.window_ids"), TensorData::i64(vec![ids.len()], &ids)));
+                contents.tensors.push((format!("{p}.window_counts"), TensorData::u64s(&counts)));
+                contents.tensors.push((format!("{p}.window_last"), TensorData::u64s(&last)));
+                mc.push(McRecord {
+                    table,
+                    step: s.step,
+                    lookups: s.stats.lookups,
+                    fallbacks: s.stats.fallbacks,
+                    last_evictions: s.stats.last_evictions,
+                    last_admissions: s.stats.last_admissions,
+                    evictions: s.stats.evictions,
+                });
+            }
+            let states = train_suites.map(|suites| suites.iter().map(MetricSuite::state).collect::<Option<Vec<_>>>());
+            let train_metrics = match states {
+                Some(Some(per_task)) => {
+                    let mut names = Vec::new();
+                    for (task, states) in per_task.iter().enumerate() {
+                        let mut per_metric = Vec::new();
+                        for (m, state) in states.iter().enumerate() {
+                            let mut arrays = Vec::new();
+                            for (a, (name, values)) in state.arrays.iter().enumerate() {
+                                let key = format!("metrics.train.{task}.{m}.{a}");
+                                contents.tensors.push((key, TensorData::f64(vec![values.len()], values)));
+                                arrays.push(name.clone());
+                            }
+                            per_metric.push(arrays);
+                        }
+                        names.push(per_metric);
+                    }
+                    Some(names)
+                }
+                Some(None) => {
+                    tracing::warn!(
+                        "a training metric has no checkpointable state: on resume the training metrics restart"
+                    );
+                    None
+                }
+                None => None,
+            };
+            let mut throughput_arrays = Vec::new();
+            for (a, (name, values)) in throughput.state().arrays.iter().enumerate() {
+                contents.tensors.push((format!("metrics.throughput.{a}"), TensorData::f64(vec![values.len()], values)));
+                throughput_arrays.push(name.clone());
+            }
+            let state = JobState { progress: progress.clone(), mc, train_metrics, throughput: throughput_arrays };
+            Some(Header {
+                step: progress.step,
+                recipe: self.resolved_toml.clone(),
+                base_dir: std::path::absolute(&self.base_dir).unwrap_or_else(|_| self.base_dir.clone()),
+                plan: serde_json::to_value(&self.plan).map_err(|e| EngineError::Internal(format!("plan: {e}")))?,
+                state: serde_json::to_value(&state).expect("the job state serializes"),
+            })
+        } else {
+            None
+        };
+        let root = self.recipe.output_dir().join("checkpoints");
+        let keep = self.recipe.train.keep_checkpoints as usize;
+        Ok(crate::checkpoint::save(&root, header, contents, pg, progress.step, keep)?)
+    }
+
+    /// Restores everything a checkpoint holds into this freshly built job (the same model;
+    /// any world size and plan) and returns the loop's position. `train_suites` are the
+    /// training metrics to restore.
+    pub(super) fn restore(
+        &mut self,
+        ck: &Checkpoint,
+        train_suites: Option<&mut [MetricSuite]>,
+        throughput: &mut ThroughputMetric,
+    ) -> Result<Progress, EngineError> {
+        let _span = tracing::info_span!("restore", step = ck.manifest.step).entered();
+        let state: JobState = serde_json::from_value(ck.manifest.state.clone())
+            .map_err(|e| incompatible(ck, format!("its job state does not parse: {e}")))?;
+
+        // Embedding shards: each of this job's blocks assembled from the saved ones.
+        let mut shards = Vec::new();
+        for s in self.sparse.local_shards() {
+            let layout = self.state_layout(&s.table);
+            shards.push(ck.assemble_shard(&s.table, s.table_shape, s.rows, s.cols, &layout, s.replicated)?);
+        }
+        self.sparse.load_local_shards(shards)?;
+
+        // Dense variables, then the dense optimizer.
+        let vars = self.vs.variables();
+        let saved = ck.manifest.tensors.keys().filter(|k| k.starts_with("dense.")).count();
+        if saved != vars.len() {
+            return Err(incompatible(
+                ck,
+                format!("it has {saved} dense variables, the model {}: the model changed", vars.len()),
+            ));
+        }
+        tch::no_grad(|| -> Result<(), EngineError> {
+            for (name, mut var) in vars {
+                let key = format!("dense.{name}");
+                if !ck.has(&key) {
+                    return Err(incompatible(ck, format!("it has no dense variable {name}: the model changed")));
+                }
+                let t = read_tensor(ck, &key)?;
+                if t.size() != var.size() {
+                    return Err(incompatible(
+                        ck,
+                        format!("dense variable {name} is {:?} there and {:?} in the model", t.size(), var.size()),
+                    ));
+                }
+                var.copy_(&t.to_kind(var.kind()));
+            }
+            Ok(())
+        })?;
+        let mut opt = Vec::new();
+        for key in ck.manifest.tensors.keys().filter(|k| k.starts_with("dense_opt.")) {
+            opt.push((key["dense_opt.".len()..].to_string(), read_tensor(ck, key)?));
+        }
+        self.dense_opt.load_state(&opt).map_err(|e| incompatible(ck, format!("dense optimizer state: {e}")))?;
+
+        // Managed collisions.
+        let mut names = self.mc.names();
+        names.sort();
+        let mut saved: Vec<String> = state.mc.iter().map(|m| m.table.clone()).collect();
+        saved.sort();
+        if names != saved {
+            return Err(incompatible(ck, format!("managed-collision tables {saved:?} there, {names:?} in the job")));
+        }
+        for m in &state.mc {
+            let p = format!("mc.{}", m.table);
+            let window_ids = ck.i64(&format!("{p}.window_ids"))?.1;
+            let window_counts = ck.u64s(&format!("{p}.window_counts"))?;
+            let window_last = ck.u64s(&format!("{p}.window_last"))?;
+            if window_ids.len() != window_counts.len() || window_ids.len() != window_last.len() {
+                return Err(incompatible(
+                    ck,
+                    format!("table {}: managed-collision window arrays differ in length", m.table),
+                ));
+            }
+            let s = McState {
+                ids: ck.i64(&format!("{p}.ids"))?.1,
+                counts: ck.u64s(&format!("{p}.counts"))?,
+                last_access: ck.u64s(&format!("{p}.last_access"))?,
+                step: m.step,
+                window: window_ids
+                    .into_iter()
+                    .zip(window_counts)
+                    .zip(window_last)
+                    .map(|((a, b), c)| (a, b, c))
+                    .collect(),
+                stats: McStats {
+                    lookups: m.lookups,
+                    fallbacks: m.fallbacks,
+                    last_evictions: m.last_evictions,
+                    last_admissions: m.last_admissions,
+                    evictions: m.evictions,
+                    ..Default::default()
+                },
+            };
+            self.mc.set_state(&m.table, &s)?;
+        }
+
+        // Training metrics.
+        match (train_suites, &state.train_metrics) {
+            (Some(suites), Some(names)) => {
+                if names.len() != suites.len() {
+                    return Err(incompatible(
+                        ck,
+                        format!("{} tasks' training metrics there, {} in the job", names.len(), suites.len()),
+                    ));
+                }
+                for (task, (suite, metrics)) in suites.iter_mut().zip(names).enumerate() {
+                    let mut states = Vec::new();
+                    for (m, arrays) in metrics.iter().enumerate() {
+                        let mut st = MetricState::default();
+                        for (a, name) in arrays.iter().enumerate() {
+                            st.arrays.push((name.clone(), ck.f64(&format!("metrics.train.{task}.{m}.{a}"))?.1));
+                        }
+                        states.push(st);
+                    }
+                    suite.load_state(&states).map_err(|e| incompatible(ck, format!("training metrics: {e}")))?;
+                }
+            }
+            (Some(_), None) => {
+                tracing::warn!("the checkpoint has no training-metric state: the training metrics restart")
+            }
+            _ => {}
+        }
+
+        let mut st = MetricState::default();
+        for (a, name) in state.throughput.iter().enumerate() {
+            st.arrays.push((name.clone(), ck.f64(&format!("metrics.throughput.{a}"))?.1));
+        }
+        throughput.load_state(&st).map_err(|e| incompatible(ck, format!("throughput: {e}")))?;
+
+        let mut progress = state.progress;
+        let world = self.sync.as_ref().map_or(1, |s| s.pg.world_size());
+        if progress.world_size != world && progress.world_size > 0 {
+            let skip = self.sampler.resume_offset(progress.in_epoch, progress.world_size, world);
+            tracing::warn!(
+                saved = progress.world_size,
+                now = world,
+                read = progress.in_epoch,
+                skip,
+                "resuming on another world size: each rank skips {skip} batches of the epoch"
+            );
+            progress.in_epoch = skip;
+        }
+        progress.world_size = world;
+        tracing::info!(step = progress.step, dir = %ck.dir().display(), "resumed from checkpoint");
+        Ok(progress)
+    }
+}
+
+/// Keeps the lines of a run's `metrics.jsonl` and `metrics.csv` up to `step` (the ones a
+/// resumed run would write again), each file rewritten through a rename.
+pub(super) fn truncate_metrics(dir: &Path, step: u64) -> Result<(), EngineError> {
+    let keep = |path: &Path, keep_line: &dyn Fn(&str) -> bool| -> Result<(), EngineError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(EngineError::Io { path: path.to_path_buf(), source: e }),
+        };
+        let kept: String = text.lines().filter(|l| keep_line(l)).flat_map(|l| [l, "\n"]).collect();
+        super::write_atomic(path, kept.as_bytes())
+    };
+    keep(&dir.join("metrics.jsonl"), &|l| {
+        serde_json::from_str::<serde_json::Value>(l)
+            .ok()
+            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
+            .is_some_and(|s| s <= step)
+    })?;
+    keep(&dir.join("metrics.csv"), &|l| {
+        l.starts_with("step,") || l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= step)
+    })
+}

@@ -1,0 +1,216 @@
+//! Checkpoints through the `trainrec` binary: a run killed mid-training (the process aborts,
+//! as under `kill -9`) and resumed with `trainrec run --resume` writes the same
+//! `metrics.jsonl` as an uninterrupted run, bit for bit; a crash during a save leaves the
+//! previous checkpoint as the one resumed; a changed model is refused.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainrec-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// The quickstart, short, with training metrics, an eval and a checkpoint every 20 steps, and
+/// managed collisions on one table.
+fn settings(world: usize, out: &Path) -> Vec<String> {
+    [
+        "train.steps=60",
+        "train.eval_every=20",
+        "train.log_every=10",
+        "train.metrics_every=10",
+        "train.metrics_window=3000",
+        "train.checkpoint_every=20",
+        "data.sampler.eval_samples=2048",
+        "data.batch_size=128",
+        "data.eval_batch_size=1024",
+        "run.threads=1",
+        "train.progress=false",
+        "tables[0].mc={zch_size=900,input_hash_size=100000,eviction_interval=7}",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("topology.world_size={world}"), format!("run.output_dir=\"{}\"", out.display())])
+    .collect()
+}
+
+/// Runs the binary; returns its exit status (None: killed by a signal) and stderr.
+fn trainrec(args: &[String], failpoint: Option<&str>) -> (Option<i32>, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainrec"));
+    cmd.args(args).current_dir(workspace()).env_remove("RUST_LOG").env("OMP_NUM_THREADS", "1");
+    match failpoint {
+        Some(f) => cmd.env("TRAINREC_FAILPOINT", f),
+        None => cmd.env_remove("TRAINREC_FAILPOINT"),
+    };
+    let out = cmd.output().expect("the binary runs");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn run(world: usize, out: &Path, failpoint: Option<&str>) -> (Option<i32>, String) {
+    let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
+    for s in settings(world, out) {
+        args.extend(["--set".to_string(), s]);
+    }
+    trainrec(&args, failpoint)
+}
+
+fn resume(out: &Path, extra: &[&str]) -> (Option<i32>, String) {
+    let mut args = vec!["run".to_string(), "--resume".into(), out.display().to_string()];
+    for s in extra {
+        args.extend(["--set".to_string(), s.to_string()]);
+    }
+    trainrec(&args, None)
+}
+
+/// `metrics.jsonl` without the wall-clock throughput values (which no two runs share).
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.contains("throughput"));
+            v
+        })
+        .collect()
+}
+
+fn checkpoints(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_killed_run_resumes_bit_for_bit_on_one_and_two_ranks() {
+    for world in [1, 2] {
+        let through = out_dir(&format!("through-{world}"));
+        let (code, err) = run(world, &through, None);
+        assert_eq!(code, Some(0), "{err}");
+        let want = metrics(&through);
+        assert!(want.len() == 9 && want.iter().any(|l| l["metrics"].get("window_auc").is_some()));
+        assert!(want.iter().any(|l| l["metrics"].get("mc/t_C1/collision_rate").is_some()));
+
+        // Killed after step 50 (checkpoints at 20 and 40), then resumed from step 40.
+        let killed = out_dir(&format!("killed-{world}"));
+        let (code, _) = run(world, &killed, Some("abort-after-step:50"));
+        assert_ne!(code, Some(0), "the run was to abort");
+        assert_eq!(checkpoints(&killed), ["step-00000020", "step-00000040"]);
+        assert!(metrics(&killed).iter().any(|l| l["step"] == 50), "lines past the checkpoint were written");
+        let (code, err) = resume(&killed, &[]);
+        assert_eq!(code, Some(0), "{err}");
+        assert!(err.contains("step-00000040 (step 40)"), "{err}");
+        assert_eq!(metrics(&killed), want, "{world} ranks: the resumed run's metrics differ");
+        // The third checkpoint (step 60) was saved; all three are kept (keep_checkpoints = 3).
+        assert_eq!(checkpoints(&killed), ["step-00000020", "step-00000040", "step-00000060"]);
+    }
+}
+
+#[test]
+fn a_crash_during_a_save_resumes_from_the_previous_checkpoint() {
+    let through = out_dir("save-through");
+    assert_eq!(run(1, &through, None).0, Some(0));
+    let crashed = out_dir("save-crashed");
+    let (code, _) = run(1, &crashed, Some("checkpoint-before-manifest:40"));
+    assert_ne!(code, Some(0));
+    // The interrupted save left its files in a hidden directory without a manifest.
+    assert_eq!(checkpoints(&crashed), [".step-00000040.partial", "step-00000020"]);
+    let (code, err) = resume(&crashed, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("ignoring an incomplete checkpoint") && err.contains(".step-00000040.partial"), "{err}");
+    assert!(err.contains("step-00000020 (step 20)"), "{err}");
+    assert_eq!(metrics(&crashed), metrics(&through));
+    // The next save cleaned the partial directory away.
+    assert!(!checkpoints(&crashed).iter().any(|n| n.ends_with(".partial")));
+}
+
+#[test]
+fn resuming_refuses_another_model_and_a_corrupted_checkpoint() {
+    let out = out_dir("refuse");
+    assert_eq!(run(1, &out, None).0, Some(0));
+    let (code, err) = resume(&out, &["tables[1].rows=500"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("tables[1].rows: 1000 -> 500") && err.contains("only these keys may change"), "{err}");
+    // Training longer is allowed.
+    let (code, err) = resume(&out, &["train.steps=70"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(metrics(&out).iter().rfind(|l| l["split"] == "eval").unwrap()["step"], 70);
+    // Export: one unsharded file with TorchRec's EBC names, written whole.
+    let model = out.join("model.safetensors");
+    let (code, err) =
+        trainrec(&["export".into(), out.display().to_string(), "--out".into(), model.display().to_string()], None);
+    assert_eq!(code, Some(0), "{err}");
+    let bytes = std::fs::read(&model).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    assert_eq!(header["embedding_bags.t_C2.weight"]["shape"], serde_json::json!([1000, 16]));
+    // One raw id per managed slot (zch_size).
+    assert_eq!(header["managed_collisions.t_C1.ids"]["shape"], serde_json::json!([900]));
+    assert_eq!(header["__metadata__"]["step"], "60");
+    assert!(!out.join("model.tmp").exists());
+    let (code, err) = trainrec(
+        &[
+            "export".into(),
+            out.display().to_string(),
+            "--out".into(),
+            model.display().to_string(),
+            "--step".into(),
+            "7".into(),
+        ],
+        None,
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no complete checkpoint of step 7"), "{err}");
+    // A flipped byte in a rank file is caught by its checksum, naming the file.
+    let newest = out.join("checkpoints").join(checkpoints(&out).last().unwrap());
+    let file = newest.join("rank-00000.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = bytes.len();
+    bytes[n / 2] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let (code, err) = resume(&out, &["train.steps=80"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("rank-00000.safetensors") && err.contains("checksum"), "{err}");
+    // A run directory without checkpoints is a usage error.
+    let empty = out_dir("refuse-empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let (code, err) = resume(&empty, &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no complete checkpoint"), "{err}");
+}
+
+/// The export loads into TorchRec's `EmbeddingBagCollection` (strict state dict) and its forward
+/// pass pools the exported rows: `tests/python/load_export.py`, run by the TorchRec anchors'
+/// Python (`../shared/bench/anchors/install.sh` plus `pip install safetensors`) when it is
+/// installed.
+#[test]
+fn the_export_loads_into_a_torchrec_ebc() {
+    let python = std::env::var("TRAINREC_TORCHREC_PYTHON").map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/trainrec-anchors/venv/bin/python")
+    });
+    if !python.exists() {
+        eprintln!("skipping: no TorchRec Python at {} (set TRAINREC_TORCHREC_PYTHON)", python.display());
+        return;
+    }
+    let out = out_dir("export-torchrec");
+    assert_eq!(run(1, &out, None).0, Some(0));
+    let model = out.join("model.safetensors");
+    let (code, err) =
+        trainrec(&["export".into(), out.display().to_string(), "--out".into(), model.display().to_string()], None);
+    assert_eq!(code, Some(0), "{err}");
+    let check = Command::new(&python)
+        .arg(workspace().join("tests/python/load_export.py"))
+        .arg(&model)
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&check.stderr));
+    assert!(stdout.contains("8 tables loaded into torchrec.EmbeddingBagCollection"), "{stdout}");
+}
