@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use trainrec::embedding::quant::QuantPrecision;
 use trainrec::engine::load_and_check;
 use trainrec::recipe::LoadOptions;
 use trainrec::{Job, RunSummary};
@@ -248,6 +249,55 @@ fn criteo_sample_trains() {
     eprintln!("criteo sample: {:?} loss {:?} in {} steps", s.eval, s.train_loss, s.steps);
     assert!(s.eval["auc"] > 0.7, "eval AUC {}", s.eval["auc"]);
     assert!(s.eval["ne"] < 0.95, "eval NE {}", s.eval["ne"]);
+}
+
+#[test]
+fn quantized_inference_tables_cost_little_auc_on_the_criteo_sample() {
+    let Some(_) = shared_data("criteo-kaggle-sample/train_examples.txt") else { return };
+    let _guard = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = out_dir("criteo-quant");
+    let options = LoadOptions {
+        overrides: vec![
+            "run.threads=1".into(),
+            "train.progress=false".into(),
+            "train.checkpoint_every=10".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ],
+        env: false,
+    };
+    let registry = custom_trainrec::registry();
+    let recipe = workspace().join("recipes/criteo/kaggle_sample.toml");
+    let (loaded, features) = load_and_check(&recipe, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+    let mut job = Job::build(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}"));
+    let summary = job.run().unwrap_or_else(|e| panic!("{e}"));
+    let weights = job.table_weights("t_large").unwrap().unwrap();
+    let dir = trainrec::engine::checkpoint::latest(&dir.join("checkpoints")).unwrap().expect("a checkpoint");
+    let ck = trainrec::engine::checkpoint::Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.manifest.step, summary.steps, "the last checkpoint is the trained model");
+    let fp32 = summary.eval;
+    let evaluate = |precision: Option<QuantPrecision>| {
+        let mut job = Job::build(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}"));
+        job.load_checkpoint(&ck).unwrap_or_else(|e| panic!("{e}"));
+        if let Some(p) = precision {
+            job.quantize(p).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let m = job.evaluate().unwrap_or_else(|e| panic!("{e}"));
+        let w = job.table_weights("t_large").unwrap().unwrap();
+        (m, w.iter().zip(&weights).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max))
+    };
+    // The loaded checkpoint evaluates exactly as the trained job did.
+    let (m, err) = evaluate(None);
+    assert_eq!(m, fp32);
+    assert_eq!(err, 0.0);
+    for (precision, tolerance) in [(QuantPrecision::Fp16, 1e-3), (QuantPrecision::Int8, 2e-3)] {
+        let (m, max_err) = evaluate(Some(precision));
+        eprintln!(
+            "criteo sample, {precision:?} tables: auc {} (fp32 {}), max weight error {max_err}",
+            m["auc"], fp32["auc"]
+        );
+        assert!((m["auc"] - fp32["auc"]).abs() < tolerance, "{precision:?}: auc {} vs fp32 {}", m["auc"], fp32["auc"]);
+        assert!(max_err > 0.0, "{precision:?}: the tables were not quantized");
+    }
 }
 
 /// Runs a shipped recipe into a fresh directory.

@@ -58,6 +58,9 @@ pub struct EbcBench {
     /// this eviction interval), raw ids a fixed 40-bit hash of the rows: the remap's cost
     /// against the plain step of the same run.
     pub mc_interval: Option<u64>,
+    /// Also time the forward pass over the tables quantized to int8 row-wise and to fp16
+    /// ([`crate::quant::QuantizedEbc`]) on the forward-only batches, against the fp32 forward.
+    pub quant: bool,
 }
 
 /// Busy core-seconds of the whole machine and of this process (Linux `/proc`), to report
@@ -218,6 +221,7 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
             fwd.push(t.elapsed().as_secs_f64());
         }
         let busy_fwd = if a.fwd_steps > 0 { others_busy(c1, cpu_snapshot()) } else { Value::Null };
+        let quant = if a.quant && a.fwd_steps > 0 { Some(time_quant(a, &batches, &ebc)?) } else { None };
         let mc = match a.mc_interval {
             Some(interval) => Some(time_mc(a, interval, &batches, &grad, &mut ebc, &ts)?),
             None => None,
@@ -253,12 +257,57 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
             "fwd_implied_GBps_at_median": fwd_gbps,
             "build_s": build_s,
             "mc": mc,
+            "quant": quant,
             "env": {
                 "threads": threads,
                 "others_busy_cores_timed": [busy_step, busy_fwd],
             },
         }))
     })
+}
+
+/// The forward pass over the trained tables quantized to int8 row-wise and fp16: per
+/// precision the median time of `fwd_steps` calls (interleaved with fp32 calls, so the
+/// machine's noise hits all alike), the tables' bytes, and both as ratios to fp32.
+fn time_quant(
+    a: &EbcBench,
+    batches: &[KeyedJaggedTensor],
+    ebc: &EmbeddingBagCollection,
+) -> Result<Value, EmbeddingError> {
+    use crate::quant::{QuantPrecision, QuantizedEbc};
+    let fp32_bytes = a.tables as f64 * a.rows as f64 * a.dim as f64 * 4.0;
+    let mut out = serde_json::Map::new();
+    for (name, precision) in [("int8", QuantPrecision::Int8), ("fp16", QuantPrecision::Fp16)] {
+        let q = QuantizedEbc::from_ebc(ebc, precision)?;
+        let (mut ts, mut base) = (Vec::with_capacity(a.fwd_steps), Vec::with_capacity(a.fwd_steps));
+        for i in 0..a.fwd_steps {
+            let kjt = &batches[i % batches.len()];
+            let t = Instant::now();
+            std::hint::black_box(q.forward(kjt)?.values());
+            ts.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            std::hint::black_box(ebc.forward(kjt)?.values());
+            base.push(t.elapsed().as_secs_f64());
+        }
+        let (m, mb) = (median(&ts), median(&base));
+        out.insert(
+            name.into(),
+            json!({
+                "fwd": summarize(&ts),
+                "fp32_fwd_interleaved": summarize(&base),
+                "time_vs_fp32": m / mb,
+                "bytes": q.bytes(),
+                "bytes_vs_fp32": q.bytes() as f64 / fp32_bytes,
+            }),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+fn median(ts: &[f64]) -> f64 {
+    let mut v = ts.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
 }
 
 /// The managed-collision variant of the step (see [`EbcBench::mc_interval`]): each step copies

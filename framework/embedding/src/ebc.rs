@@ -132,6 +132,11 @@ impl EmbeddingBagCollection {
             .map_err(|e| EmbeddingError::Shape(e.to_string()))
     }
 
+    /// The collection's tables and outputs.
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
+    }
+
     /// Output floats per example (`sum(dims)`).
     pub fn width(&self) -> usize {
         self.width

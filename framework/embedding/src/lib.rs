@@ -17,6 +17,7 @@ pub mod mc;
 mod optim;
 mod position;
 mod precision;
+pub mod quant;
 mod storage;
 mod tbe;
 #[cfg(test)]

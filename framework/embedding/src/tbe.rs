@@ -99,7 +99,7 @@ pub(crate) fn prefetch<T>(p: *const T, bytes: usize) {
 /// feature only widens the vectors.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     static HAS: std::sync::LazyLock<bool> =
         std::sync::LazyLock::new(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
     *HAS
@@ -107,7 +107,7 @@ fn has_avx2() -> bool {
 
 /// Ids ahead of the current one whose rows are prefetched.
 /// (Measured on the W1 workload: 4 to 16 perform alike, 32 is slower.)
-const PREFETCH: usize = 12;
+pub(crate) const PREFETCH: usize = 12;
 
 /// The row an id reads: ids outside `0..rows` read row 0 (FBGEMM's bounds-check `WARNING` /
 /// `IGNORE` rewrite; in `fatal` mode such a batch never reaches the kernels).

@@ -796,18 +796,27 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "planner",
 ];
 
+/// Recipe keys `trainrec eval` may change besides [`RESUMABLE_KEYS`]: the data evaluated on
+/// and the metrics computed.
+pub const EVAL_KEYS: &[&str] = &["data", "metrics", "run", "embedding"];
+
 /// The keys whose values differ between the checkpoint's recipe `saved` and the resumed
 /// run's `now` (both resolved TOML), outside [`RESUMABLE_KEYS`], as `key: saved -> now`.
 pub fn changed_keys(saved: &str, now: &str) -> Result<Vec<String>, String> {
+    changed_keys_outside(saved, now, RESUMABLE_KEYS)
+}
+
+/// [`changed_keys`] outside the keys `allowed` (and their sub-keys).
+pub fn changed_keys_outside(saved: &str, now: &str, allowed: &[&str]) -> Result<Vec<String>, String> {
     let a: toml::Value = toml::from_str(saved).map_err(|e| format!("the checkpoint's recipe does not parse: {e}"))?;
     let b: toml::Value = toml::from_str(now).map_err(|e| format!("the recipe does not parse: {e}"))?;
     let mut out = Vec::new();
-    diff("", Some(&a), Some(&b), &mut out);
+    diff("", Some(&a), Some(&b), allowed, &mut out);
     Ok(out)
 }
 
-fn diff(path: &str, a: Option<&toml::Value>, b: Option<&toml::Value>, out: &mut Vec<String>) {
-    if RESUMABLE_KEYS.iter().any(|k| path == *k || path.starts_with(&format!("{k}."))) {
+fn diff(path: &str, a: Option<&toml::Value>, b: Option<&toml::Value>, allowed: &[&str], out: &mut Vec<String>) {
+    if allowed.iter().any(|k| path == *k || path.starts_with(&format!("{k}."))) {
         return;
     }
     let show = |v: Option<&toml::Value>| v.map_or("(unset)".to_string(), |v| v.to_string());
@@ -816,12 +825,12 @@ fn diff(path: &str, a: Option<&toml::Value>, b: Option<&toml::Value>, out: &mut 
             let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
             for k in keys {
                 let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
-                diff(&p, x.get(k), y.get(k), out);
+                diff(&p, x.get(k), y.get(k), allowed, out);
             }
         }
         (Some(toml::Value::Array(x)), Some(toml::Value::Array(y))) if x.len() == y.len() => {
             for (i, (u, v)) in x.iter().zip(y).enumerate() {
-                diff(&format!("{path}[{i}]"), Some(u), Some(v), out);
+                diff(&format!("{path}[{i}]"), Some(u), Some(v), allowed, out);
             }
         }
         (x, y) if x != y => out.push(format!("{path}: {} -> {}", show(x), show(y))),

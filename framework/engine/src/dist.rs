@@ -33,6 +33,8 @@ pub(crate) enum SparseArch {
     Local(EmbeddingBagCollection),
     /// Tables sharded over the ranks by the plan.
     Sharded(Box<ShardedEbc>),
+    /// Inference tables quantized from a one-rank collection (no training).
+    Quantized(Box<trainrec_embedding::quant::QuantizedEbc>),
 }
 
 /// `kjt` with one bag per example: a variable-batch (VBE) KJT expanded by its
@@ -68,7 +70,21 @@ impl SparseArch {
                 let t = Tensor::from_slice(&out).f_view([examples(kjt) as i64, s.width() as i64])?;
                 Ok((t, Some(ctx)))
             }
+            Self::Quantized(q) => {
+                let kjt = full_batch(kjt)?;
+                let (b, w) = (kjt.stride(), q.width());
+                let t = Tensor::empty([b as i64, w as i64], (tch::Kind::Float, tch::Device::Cpu));
+                // SAFETY: `t` is a new contiguous CPU float tensor of `b * w` elements that
+                // nothing else references while the slice lives.
+                let out = unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), b * w) };
+                q.forward_into(&kjt, out)?;
+                Ok((t, None))
+            }
         }
+    }
+
+    fn inference_only() -> EngineError {
+        EngineError::Internal("quantized tables are for inference: they do not train or change".into())
     }
 
     /// The fused backward and update from the pooled output's gradient.
@@ -90,6 +106,7 @@ impl SparseArch {
             (Self::Sharded(_), None) => {
                 return Err(EngineError::Internal("sharded backward without its forward's context".into()));
             }
+            (Self::Quantized(_), _) => return Err(Self::inference_only()),
         }
         Ok(())
     }
@@ -111,6 +128,7 @@ impl SparseArch {
                 })
                 .collect(),
             Self::Sharded(s) => s.local_shards(),
+            Self::Quantized(_) => Vec::new(),
         }
     }
 
@@ -128,6 +146,7 @@ impl SparseArch {
                 }
             }
             Self::Sharded(sh) => sh.load_local_shards(shards)?,
+            Self::Quantized(_) => return Err(Self::inference_only()),
         }
         Ok(())
     }
@@ -137,6 +156,7 @@ impl SparseArch {
         match self {
             Self::Local(ebc) => ebc.reset_rows(name, rows, key)?,
             Self::Sharded(s) => s.reset_rows(name, rows, key)?,
+            Self::Quantized(_) => return Err(Self::inference_only()),
         }
         Ok(())
     }
@@ -146,6 +166,7 @@ impl SparseArch {
         match self {
             Self::Local(ebc) => Ok(ebc.table_weights(name)),
             Self::Sharded(s) => Ok(Some(s.table_weights(name)?)),
+            Self::Quantized(q) => Ok(q.dequantized(name)),
         }
     }
 }

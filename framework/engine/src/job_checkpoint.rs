@@ -129,6 +129,29 @@ fn incompatible(ck: &Checkpoint, message: String) -> EngineError {
 }
 
 impl Job {
+    /// Loads a checkpoint's model (tables, dense model, optimizers, managed collisions) into
+    /// this freshly built job, for evaluation or inference; [`Job::resume_from`] resumes
+    /// training instead.
+    pub fn load_checkpoint(&mut self, ck: &Checkpoint) -> Result<(), EngineError> {
+        let mut throughput = ThroughputMetric::new(
+            trainrec_metrics::THROUGHPUT_WARMUP_STEPS,
+            trainrec_metrics::THROUGHPUT_WINDOW_SECONDS,
+        )?;
+        self.restore(ck, None, &mut throughput).map(|_| ())
+    }
+
+    /// Replaces a one-rank job's tables by inference tables quantized to `precision` (int8
+    /// row-wise or fp16): [`Job::evaluate`] then reads them; training is refused.
+    pub fn quantize(&mut self, precision: trainrec_embedding::quant::QuantPrecision) -> Result<(), EngineError> {
+        let crate::dist::SparseArch::Local(ebc) = &self.sparse else {
+            return Err(EngineError::Internal("quantized inference runs on one rank (topology.world_size = 1)".into()));
+        };
+        let q = trainrec_embedding::quant::QuantizedEbc::from_ebc(ebc, precision)?;
+        tracing::info!(?precision, bytes = q.bytes(), "tables quantized");
+        self.sparse = crate::dist::SparseArch::Quantized(Box::new(q));
+        Ok(())
+    }
+
     /// The sparse optimizer's state layout of table `name`.
     fn state_layout(&self, name: &str) -> Vec<StatePart> {
         let table = self.recipe.tables.iter().find(|t| t.name == name);

@@ -107,6 +107,25 @@ pub enum Command {
         #[command(subcommand)]
         which: ConvertCommand,
     },
+    /// Evaluate a run's newest checkpoint (or `--step N`'s) on its recipe's eval split, or on
+    /// other data (`--set data.sampler.<key>=...`), on one process; `--quantize` evaluates
+    /// inference tables (int8 row-wise as FBGEMM's layout, or fp16) instead of the fp32 ones.
+    Eval {
+        /// A run directory with checkpoints.
+        run_dir: PathBuf,
+        /// Evaluate the checkpoint of this step instead of the newest.
+        #[arg(long)]
+        step: Option<u64>,
+        /// Quantize the tables for inference first.
+        #[arg(long, value_enum)]
+        quantize: Option<QuantizeArg>,
+        /// Print the metrics as one JSON line instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Overrides (`data.*`, `metrics`, `train.eval_batches`, ...; not the model).
+        #[command(flatten)]
+        overrides: Overrides,
+    },
     /// Write a run's newest checkpoint (or `--step N`'s) as one unsharded safetensors file:
     /// `embedding_bags.<table>.weight` (TorchRec's EBC state-dict names), `dense.<variable>`,
     /// and `managed_collisions.<table>.ids`; loadable with `safetensors.torch.load_file`.
@@ -131,6 +150,15 @@ pub enum Command {
         #[command(subcommand)]
         which: BenchCommand,
     },
+}
+
+/// Inference table precisions of `trainrec eval --quantize`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum QuantizeArg {
+    /// 8-bit codes with an fp32 scale and bias per row.
+    Int8,
+    /// Half precision.
+    Fp16,
 }
 
 /// The conversions.
@@ -490,6 +518,11 @@ pub struct EbcArgs {
     /// steps) and report its cost against the plain step (`mc` in the JSON).
     #[arg(long)]
     pub mc_interval: Option<u64>,
+    /// Also time the forward pass over the trained tables quantized to int8 row-wise and to
+    /// fp16 (inference tables), with their bytes, against the fp32 forward (`quant` in the
+    /// JSON). Needs `--fwd-steps`.
+    #[arg(long)]
+    pub quant: bool,
 }
 
 impl EbcArgs {
@@ -525,6 +558,7 @@ impl EbcArgs {
             threads: self.threads,
             seed: self.seed,
             mc_interval: self.mc_interval,
+            quant: self.quant,
         }
     }
 }
@@ -599,6 +633,9 @@ pub fn main_with(registry: Registry) -> ExitCode {
             plan(&registry, &recipe, out, &options)
         }
         Command::Export { run_dir, out, step } => export(&run_dir, &out, step),
+        Command::Eval { run_dir, step, quantize, json, overrides } => {
+            eval(&registry, &run_dir, step, quantize, json, &overrides.options())
+        }
         Command::Report { run_dir } => match crate::report::render(&run_dir) {
             Ok(files) => {
                 println!("wrote {} plots to {}", files.len(), run_dir.join("plots").display());
@@ -906,27 +943,123 @@ fn launch(nproc: usize, recipe: &std::path::Path, overrides: &Overrides) -> Exit
     }
 }
 
-/// `trainrec export`.
-fn export(run_dir: &std::path::Path, out: &std::path::Path, step: Option<u64>) -> ExitCode {
-    use trainrec_engine::checkpoint::{latest, step_dir_name};
+/// The checkpoint of `step` (default: the newest complete one) of run `run_dir`.
+fn checkpoint_dir(run_dir: &std::path::Path, step: Option<u64>) -> Result<PathBuf, String> {
+    use trainrec_engine::checkpoint::{MANIFEST, latest, step_dir_name};
     let root = run_dir.join("checkpoints");
-    let dir = match step {
-        Some(n) => {
-            Ok(Some(root.join(step_dir_name(n))).filter(|d| d.join(trainrec_engine::checkpoint::MANIFEST).is_file()))
-        }
-        None => latest(&root),
+    let found = match step {
+        Some(n) => Some(root.join(step_dir_name(n))).filter(|d| d.join(MANIFEST).is_file()),
+        None => latest(&root).map_err(|e| e.to_string())?,
     };
-    let dir = match dir {
-        Ok(Some(d)) => d,
-        Ok(None) => {
-            let which =
-                step.map_or("no complete checkpoint".to_string(), |n| format!("no complete checkpoint of step {n}"));
-            eprintln!("error: {which} under {} (set train.checkpoint_every to save them)", root.display());
+    found.ok_or_else(|| {
+        let which =
+            step.map_or("no complete checkpoint".to_string(), |n| format!("no complete checkpoint of step {n}"));
+        format!("{which} under {} (set train.checkpoint_every to save them)", root.display())
+    })
+}
+
+/// `trainrec eval`.
+fn eval(
+    registry: &Registry,
+    run_dir: &std::path::Path,
+    step: Option<u64>,
+    quantize: Option<QuantizeArg>,
+    json: bool,
+    options: &LoadOptions,
+) -> ExitCode {
+    use trainrec_engine::checkpoint::{Checkpoint, EVAL_KEYS, RESUMABLE_KEYS, changed_keys_outside};
+    let dir = match checkpoint_dir(run_dir, step) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
             return ExitCode::from(2);
         }
+    };
+    let ck = match Checkpoint::open(&dir) {
+        Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
+        }
+    };
+    let mut options = options.clone();
+    let out = toml::Value::String(run_dir.display().to_string());
+    options.overrides.insert(0, format!("run.output_dir={out}"));
+    // One process evaluates, whatever the run trained on.
+    options.overrides.push("topology.world_size=1".into());
+    let loaded = trainrec_recipe::load(&run_dir.join("resolved.toml"), &options).and_then(|mut loaded| {
+        loaded.base_dir = ck.manifest.base_dir.clone();
+        trainrec_engine::configure_threads(loaded.recipe.run.threads);
+        let features = trainrec_engine::check_loaded(&loaded, registry)?;
+        Ok((loaded, features))
+    });
+    let (loaded, features) = match loaded {
+        Ok(x) => x,
+        Err(diags) => {
+            eprintln!("{diags}");
+            return ExitCode::from(2);
+        }
+    };
+    let allowed: Vec<&str> = RESUMABLE_KEYS.iter().chain(EVAL_KEYS).copied().collect();
+    let changed = loaded
+        .resolved_toml()
+        .map_err(|e| e.to_string())
+        .and_then(|now| changed_keys_outside(&ck.manifest.recipe, &now, &allowed));
+    match changed {
+        Ok(changed) if changed.is_empty() => {}
+        Ok(changed) => {
+            eprintln!(
+                "error: eval: the recipe differs from the one checkpoint {} was trained with:\n  {}\nhelp: only the data, the metrics and the run settings may change: {}",
+                dir.display(),
+                changed.join("\n  "),
+                allowed.join(", ")
+            );
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            eprintln!("error: eval: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let result = (|| -> Result<std::collections::BTreeMap<String, f64>, EngineError> {
+        let mut job = trainrec_engine::Job::build(&loaded, &features, registry)?;
+        job.load_checkpoint(&ck)?;
+        if let Some(q) = quantize {
+            job.quantize(match q {
+                QuantizeArg::Int8 => trainrec_embedding::quant::QuantPrecision::Int8,
+                QuantizeArg::Fp16 => trainrec_embedding::quant::QuantPrecision::Fp16,
+            })?;
+        }
+        job.evaluate()
+    })();
+    match result {
+        Ok(m) if json => {
+            let q = quantize.map(|q| format!("{q:?}").to_lowercase());
+            println!("{}", serde_json::json!({ "step": ck.manifest.step, "quantize": q, "metrics": m }));
+            ExitCode::SUCCESS
+        }
+        Ok(m) => {
+            println!("{}", trainrec_metrics::render_table(&format!("eval of step {}", ck.manifest.step), &m));
+            ExitCode::SUCCESS
+        }
+        Err(EngineError::Recipe(diags)) => {
+            eprintln!("{diags}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `trainrec export`.
+fn export(run_dir: &std::path::Path, out: &std::path::Path, step: Option<u64>) -> ExitCode {
+    let dir = match checkpoint_dir(run_dir, step) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
         }
     };
     match trainrec_engine::export::export(&dir, out) {
@@ -956,15 +1089,8 @@ fn resume_point(
     recipe: Option<&std::path::Path>,
     options: &mut LoadOptions,
 ) -> Result<(PathBuf, trainrec_engine::checkpoint::Checkpoint, PathBuf), String> {
-    use trainrec_engine::checkpoint::{Checkpoint, latest};
-    let root = run_dir.join("checkpoints");
-    let dir = latest(&root).map_err(|e| e.to_string())?.ok_or_else(|| {
-        format!(
-            "--resume {}: no complete checkpoint under {} (set train.checkpoint_every to save them)",
-            run_dir.display(),
-            root.display()
-        )
-    })?;
+    use trainrec_engine::checkpoint::Checkpoint;
+    let dir = checkpoint_dir(run_dir, None).map_err(|e| format!("--resume {}: {e}", run_dir.display()))?;
     let ck = Checkpoint::open(&dir).map_err(|e| e.to_string())?;
     let path = recipe.map_or_else(|| run_dir.join("resolved.toml"), std::path::Path::to_path_buf);
     let out = toml::Value::String(run_dir.display().to_string());

@@ -214,3 +214,40 @@ fn the_export_loads_into_a_torchrec_ebc() {
     assert!(check.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&check.stderr));
     assert!(stdout.contains("8 tables loaded into torchrec.EmbeddingBagCollection"), "{stdout}");
 }
+
+#[test]
+fn eval_scores_a_checkpoint_in_fp32_and_quantized() {
+    let out = out_dir("eval");
+    assert_eq!(run(2, &out, None).0, Some(0));
+    let last_eval = metrics(&out).into_iter().rfind(|l| l["split"] == "eval").unwrap();
+    let eval = |extra: &[&str]| {
+        let mut args = vec!["eval".to_string(), out.display().to_string(), "--json".into()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let (code, err) = trainrec(&args, None);
+        (code, err, args)
+    };
+    // The run trained on 2 ranks; eval loads its step-60 checkpoint on one process.
+    let mut args = vec!["eval".to_string(), out.display().to_string(), "--json".into()];
+    let got = Command::new(env!("CARGO_BIN_EXE_trainrec")).args(&args).current_dir(workspace()).output().unwrap();
+    assert!(got.status.success(), "{}", String::from_utf8_lossy(&got.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&got.stdout).unwrap();
+    assert_eq!(line["step"], 60);
+    for (k, v) in last_eval["metrics"].as_object().unwrap() {
+        let (a, b) = (line["metrics"][k].as_f64().unwrap(), v.as_f64().unwrap());
+        // Pooled on one rank instead of two: equal up to fp32 rounding.
+        assert!((a - b).abs() < 1e-6, "{k}: {a} vs {b}");
+    }
+    args.extend(["--quantize".into(), "int8".into()]);
+    let got = Command::new(env!("CARGO_BIN_EXE_trainrec")).args(&args).current_dir(workspace()).output().unwrap();
+    let q: serde_json::Value = serde_json::from_slice(&got.stdout).unwrap();
+    assert_eq!(q["quantize"], "int8");
+    let (a, b) = (q["metrics"]["auc"].as_f64().unwrap(), line["metrics"]["auc"].as_f64().unwrap());
+    assert!(a != b && (a - b).abs() < 0.01, "int8 auc {a} vs fp32 {b}");
+    // The model cannot change; a missing step is named.
+    let (code, err, _) = eval(&["--set", "model.over_arch=[32,1]"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("model.over_arch"), "{err}");
+    let (code, err, _) = eval(&["--step", "5"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no complete checkpoint of step 5"), "{err}");
+}
