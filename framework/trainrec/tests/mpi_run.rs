@@ -74,3 +74,60 @@ fn bench_dist_runs_under_mpirun() {
     let v: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
     assert_eq!((v["backend"].as_str(), v["world_size"].as_u64()), (Some("mpi"), Some(2)), "{v}");
 }
+
+/// Under `mpirun` (one process per rank): a run aborted after step 50 and resumed from its
+/// step-40 checkpoint writes the same metrics as an uninterrupted MPI run.
+#[test]
+fn an_aborted_mpi_run_resumes_bit_for_bit() {
+    let tmp = std::env::temp_dir().join(format!("trainrec-mpi-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let mpirun = |args: &[String], failpoint: &str| {
+        let o = Command::new("mpirun")
+            .args(["--oversubscribe", "-n", "2", "-x", "TRAINREC_FAILPOINT", env!("CARGO_BIN_EXE_trainrec"), "run"])
+            .args(args)
+            .current_dir(workspace())
+            .env("TRAINREC_FAILPOINT", failpoint)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .output()
+            .unwrap();
+        (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    };
+    let fresh = |out: &Path| -> Vec<String> {
+        let mut a = vec!["recipes/dist/quickstart_2ranks.toml".to_string()];
+        for s in [
+            "train.steps=60".to_string(),
+            "train.eval_every=20".into(),
+            "train.log_every=10".into(),
+            "train.checkpoint_every=20".into(),
+            "train.progress=false".into(),
+            "run.threads=1".into(),
+            format!("run.output_dir={}", out.display()),
+        ] {
+            a.extend(["--set".to_string(), s]);
+        }
+        a.push("--no-env".into());
+        a
+    };
+    let metrics = |dir: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.contains("throughput"));
+                v
+            })
+            .collect()
+    };
+    let (through, killed) = (tmp.join("through"), tmp.join("killed"));
+    let (ok, text) = mpirun(&fresh(&through), "");
+    assert!(ok, "{text}");
+    let (ok, _) = mpirun(&fresh(&killed), "abort-after-step:50");
+    assert!(!ok, "the run was to abort");
+    let (ok, text) = mpirun(&["--resume".into(), killed.display().to_string(), "--no-env".into()], "");
+    assert!(ok, "{text}");
+    assert!(text.contains("step-00000040 (step 40)"), "{text}");
+    assert_eq!(metrics(&killed), metrics(&through));
+    let _ = std::fs::remove_dir_all(&tmp);
+}
