@@ -943,6 +943,31 @@ fn launch(nproc: usize, recipe: &std::path::Path, overrides: &Overrides) -> Exit
     }
 }
 
+/// Loads and checks recipe `path`, its relative paths resolving against `base_dir` when given
+/// (a run's `resolved.toml`); `None` once the problems are printed.
+fn load_checked(
+    path: &std::path::Path,
+    options: &LoadOptions,
+    base_dir: Option<PathBuf>,
+    registry: &Registry,
+) -> Option<(trainrec_recipe::LoadedRecipe, trainrec_data::FeatureSchema)> {
+    let loaded = trainrec_recipe::load(path, options).and_then(|mut loaded| {
+        if let Some(dir) = base_dir {
+            loaded.base_dir = dir;
+        }
+        trainrec_engine::configure_threads(loaded.recipe.run.threads);
+        let features = trainrec_engine::check_loaded(&loaded, registry)?;
+        Ok((loaded, features))
+    });
+    match loaded {
+        Ok(x) => Some(x),
+        Err(diags) => {
+            eprintln!("{diags}");
+            None
+        }
+    }
+}
+
 /// The checkpoint of `step` (default: the newest complete one) of run `run_dir`.
 fn checkpoint_dir(run_dir: &std::path::Path, step: Option<u64>) -> Result<PathBuf, String> {
     use trainrec_engine::checkpoint::{MANIFEST, latest, step_dir_name};
@@ -987,18 +1012,9 @@ fn eval(
     options.overrides.insert(0, format!("run.output_dir={out}"));
     // One process evaluates, whatever the run trained on.
     options.overrides.push("topology.world_size=1".into());
-    let loaded = trainrec_recipe::load(&run_dir.join("resolved.toml"), &options).and_then(|mut loaded| {
-        loaded.base_dir = ck.manifest.base_dir.clone();
-        trainrec_engine::configure_threads(loaded.recipe.run.threads);
-        let features = trainrec_engine::check_loaded(&loaded, registry)?;
-        Ok((loaded, features))
-    });
-    let (loaded, features) = match loaded {
-        Ok(x) => x,
-        Err(diags) => {
-            eprintln!("{diags}");
-            return ExitCode::from(2);
-        }
+    let base_dir = Some(ck.manifest.base_dir.clone());
+    let Some((loaded, features)) = load_checked(&run_dir.join("resolved.toml"), &options, base_dir, registry) else {
+        return ExitCode::from(2);
     };
     let allowed: Vec<&str> = RESUMABLE_KEYS.iter().chain(EVAL_KEYS).copied().collect();
     let changed = loaded
@@ -1115,21 +1131,13 @@ fn run(
         },
         None => (recipe.expect("clap requires a recipe without --resume").to_path_buf(), None),
     };
-    let loaded = trainrec_recipe::load(&path, &options).and_then(|mut loaded| {
-        if let (Some((ck, _)), None) = (&checkpoint, recipe) {
-            // The run's resolved.toml: its relative paths are the original recipe's.
-            loaded.base_dir = ck.manifest.base_dir.clone();
-        }
-        trainrec_engine::configure_threads(loaded.recipe.run.threads);
-        let features = trainrec_engine::check_loaded(&loaded, registry)?;
-        Ok((loaded, features))
-    });
-    let (loaded, features) = match loaded {
-        Ok(x) => x,
-        Err(diags) => {
-            eprintln!("{diags}");
-            return ExitCode::from(2);
-        }
+    // The run's resolved.toml: its relative paths are the original recipe's.
+    let base_dir = match (&checkpoint, recipe) {
+        (Some((ck, _)), None) => Some(ck.manifest.base_dir.clone()),
+        _ => None,
+    };
+    let Some((loaded, features)) = load_checked(&path, &options, base_dir, registry) else {
+        return ExitCode::from(2);
     };
     let resume_dir = match &checkpoint {
         Some((ck, dir)) => {
