@@ -198,8 +198,18 @@ kind = "ne"
 "#,
         out = dir.join(format!("run-{world}-{sharding}-{dedup}-{has_mc}")).display()
     );
-    std::fs::write(&path, text).unwrap();
+    write_atomic(&path, &text);
     path
+}
+
+/// Tests running in parallel write the same recipes: each sees a whole file, never a
+/// half-written one.
+fn write_atomic(path: &Path, text: &str) {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{n}"));
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
 }
 
 struct Trained {
@@ -338,7 +348,7 @@ fn checkpoint_recipe(world: usize, sharding: &str, steps: u64, every: Option<u64
         .collect::<Vec<_>>()
         .join("\n");
     let path = dir.join(format!("ck-{world}-{sharding}-{steps}.toml"));
-    std::fs::write(&path, text).unwrap();
+    write_atomic(&path, &text);
     path
 }
 

@@ -82,7 +82,10 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
             if model_checks.is_empty() && ranks {
                 // Retrieval metrics need a model that embeds candidates apart: ask a scratch copy.
                 let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-                if let Ok(model) = tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs)) {
+                let built = crate::job::with_torch_seed(0, || {
+                    tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs))
+                });
+                if let Ok(model) = built {
                     if let Err(d) = crate::job::retrieval_spec(recipe, model.as_ref()) {
                         problems.push(d);
                     }

@@ -276,14 +276,11 @@ impl Job {
         let kind = recipe.model.kind().unwrap_or_default();
         let model_factory =
             registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
-        let model = {
-            // libtorch's generator is process-wide: ranks running as threads of one process
-            // build one at a time, each from the seed (rank 0's copy is broadcast anyway).
-            static MODEL_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-            let _one = MODEL_INIT.lock().unwrap_or_else(|p| p.into_inner());
-            tch::manual_seed(recipe.run.seed as i64);
-            model_factory.build(&vs.root(), &recipe.model.config(), &inputs)?
-        };
+        // Ranks running as threads of one process build one at a time, each from the seed
+        // (rank 0's copy is broadcast anyway).
+        let model = with_torch_seed(recipe.run.seed as i64, || {
+            model_factory.build(&vs.root(), &recipe.model.config(), &inputs)
+        })?;
         // The planner's dense reservation counts this model's parameters (the same number
         // validation got from a scratch copy, so a pinned plan's hash still matches).
         let plan_input = trainrec_recipe::plan::plan_input(&recipe, crate::plan::dense_bytes_of(&vs));
@@ -779,7 +776,7 @@ impl Job {
                 let Some(batch) = next.filter(|_| go) else { break };
                 // The libtorch generator (dropout) restarts from the seed and step, so a
                 // resumed run draws what an uninterrupted one does.
-                tch::manual_seed((self.recipe.run.seed ^ p.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)) as i64);
+                with_torch_seed((self.recipe.run.seed ^ p.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)) as i64, || ());
                 let (loss, predictions, examples) = self.train_step_with(&batch, train_suites.is_some())?;
                 if let (Some(suites), Some(pr)) = (&mut train_suites, &predictions) {
                     self.feed_all_ranks(suites, pr, &batch)?;
@@ -1098,4 +1095,50 @@ pub fn summary_table(s: &RunSummary) -> String {
     out.push_str(&trainrec_metrics::render_table("eval", &s.eval));
     out.push_str(&format!("\nrun directory: {}", s.output_dir.display()));
     out
+}
+
+/// Seeds libtorch's process-wide generator and runs `f` with no other job of this process
+/// reseeding it meanwhile: a model built in one thread draws its initial weights from its own
+/// seed even while jobs in other threads (ranks of a thread group, tests run in parallel)
+/// reseed per step. Draws made later, during a step (dropout), are exact only when one job
+/// runs in the process: the generator is shared.
+pub(crate) fn with_torch_seed<T>(seed: i64, f: impl FnOnce() -> T) -> T {
+    static TORCH_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = TORCH_RNG.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(seed);
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_torch_seed;
+
+    #[test]
+    fn a_seeded_draw_is_not_disturbed_by_reseeding_in_other_threads() {
+        // Many small draws, as a model's init makes: room for another thread to reseed between.
+        let draw = || {
+            with_torch_seed(7, || {
+                (0..300)
+                    .flat_map(|_| Vec::<f32>::try_from(tch::Tensor::rand([8], tch::kind::FLOAT_CPU)).unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let alone = draw();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let spam = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut k = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    with_torch_seed(k, || ());
+                    k += 1;
+                }
+            })
+        };
+        for _ in 0..50 {
+            assert_eq!(draw(), alone);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        spam.join().unwrap();
+    }
 }

@@ -24,7 +24,10 @@ pub fn dense_bytes(recipe: &Recipe, features: &FeatureSchema, registry: &Registr
     let num_tasks = if recipe.tasks.is_empty() { features.labels.len() } else { recipe.tasks.len() };
     let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
     let vs = nn::VarStore::new(Device::Cpu);
-    let built = tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs));
+    // Under the generator's lock: the scratch init's draws must not land inside another
+    // thread's seeded model build.
+    let built =
+        crate::job::with_torch_seed(0, || tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs)));
     if built.is_err() {
         return 0;
     }
