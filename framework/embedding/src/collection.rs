@@ -1,14 +1,15 @@
 //! What the pooled and the sequence collections share: tables grouped into table-batched
 //! groups, outputs (one per feature), bounds checks, and the fused backward.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::tbe::{Occ, Tbe};
+use crate::cache::RowCache;
+use crate::tbe::{Occ, Tbe, clamp_row};
 use crate::{BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig, WeightPrecision};
 
 /// A group of tables in one precision.
@@ -59,6 +60,25 @@ pub(crate) struct Core {
     pub bad_ids: AtomicU64,
     occ: Vec<Vec<Vec<Occ>>>,
     tmp: Vec<Vec<Vec<Occ>>>,
+    /// Per table: its cache, when only a cache of its rows is in memory.
+    pub caches: Vec<Option<RowCache>>,
+    /// Prefetched batches not yet trained, oldest first.
+    pending: VecDeque<Pending>,
+}
+
+/// A prefetched batch: what identifies it and the cache slots it pinned per cached table.
+struct Pending {
+    fingerprint: u64,
+    pins: Vec<(usize, Vec<u32>)>,
+}
+
+/// How the kernels read one output's ids from a cached table.
+pub(crate) enum Lookup {
+    /// Every row is resident: the ids translated to cache slots.
+    Slots(Vec<i64>),
+    /// Some rows are not: the batch's distinct rows copied out (fp32, `n` rows), the ids
+    /// translated to positions there.
+    Staged { values: Vec<i64>, rows: Vec<f32>, n: u64 },
 }
 
 #[derive(PartialEq)]
@@ -127,10 +147,23 @@ impl Core {
             tables.push(TableInfo { config, optimizer: opt, group, local });
         }
         let mut groups = Vec::with_capacity(keys.len());
+        if !pooled {
+            if let Some(t) = tables.iter().find(|t| t.config.cache.is_some()) {
+                return Err(EmbeddingError::Config(format!(
+                    "table \"{}\": cached tables serve pooled lookups only (an embedding bag collection)",
+                    t.config.name
+                )));
+            }
+        }
+        let mut caches: Vec<Option<RowCache>> = (0..tables.len()).map(|_| None).collect();
         for (g, key) in keys.iter().enumerate() {
+            // A cached table's group holds only its cache slots.
             let specs: Vec<(u64, usize, String)> = members[g]
                 .iter()
-                .map(|&t| (tables[t].config.rows, tables[t].config.dim, tables[t].config.name.clone()))
+                .map(|&t| {
+                    let c = &tables[t].config;
+                    (c.cache.as_ref().map_or(c.rows, |k| k.slots.min(c.rows)), c.dim, c.name.clone())
+                })
                 .collect();
             let gseed = seed ^ 0x5851_F42D_4C95_7F2D_u64.wrapping_mul(g as u64 + 1);
             let (opt, sr) = (key.optimizer.clone(), key.stochastic);
@@ -140,8 +173,20 @@ impl Core {
                 WeightPrecision::Bf16 => Group::Bf16(Tbe::new(&specs, opt, sr, gseed)?),
             };
             for (local, &t) in members[g].iter().enumerate() {
-                let (bound, key) = init_params(seed, t, tables[t].config.rows);
-                dispatch!(&mut group, tbe => tbe.init_uniform(local, bound, key));
+                let c = &tables[t].config;
+                let (bound, key) = init_params(seed, t, c.rows);
+                match &c.cache {
+                    None => dispatch!(&mut group, tbe => tbe.init_uniform(local, bound, key)),
+                    Some(cache) => {
+                        let spr = tables[t].optimizer.state_per_row(c.dim);
+                        let init = |rows| crate::tbe::init_uniform_block(key, bound, c.dim, rows, 0..c.dim);
+                        caches[t] = Some(match &group {
+                            Group::F32(_) => RowCache::new::<f32>(&c.name, cache, c.rows, c.dim, spr, init)?,
+                            Group::F16(_) => RowCache::new::<f16>(&c.name, cache, c.rows, c.dim, spr, init)?,
+                            Group::Bf16(_) => RowCache::new::<bf16>(&c.name, cache, c.rows, c.dim, spr, init)?,
+                        });
+                    }
+                }
             }
             groups.push(group);
         }
@@ -156,6 +201,8 @@ impl Core {
             bad_ids: AtomicU64::new(0),
             occ,
             tmp,
+            caches,
+            pending: VecDeque::new(),
         })
     }
 
@@ -168,35 +215,61 @@ impl Core {
     }
 
     pub(crate) fn weights(&self, name: &str) -> Option<Vec<f32>> {
-        let t = &self.tables[self.table_index(name)?];
-        Some(dispatch!(&self.groups[t.group], g => g.weights_f32(t.local)))
+        let i = self.table_index(name)?;
+        let t = &self.tables[i];
+        Some(match &self.caches[i] {
+            Some(c) => dispatch!(&self.groups[t.group], g => c.weights_f32(g, t.local)),
+            None => dispatch!(&self.groups[t.group], g => g.weights_f32(t.local)),
+        })
     }
 
     pub(crate) fn state(&self, name: &str) -> Option<Vec<f32>> {
-        let t = &self.tables[self.table_index(name)?];
-        Some(dispatch!(&self.groups[t.group], g => g.state(t.local).to_vec()))
+        let i = self.table_index(name)?;
+        let t = &self.tables[i];
+        Some(match &self.caches[i] {
+            Some(c) => dispatch!(&self.groups[t.group], g => c.state(g, t.local)),
+            None => dispatch!(&self.groups[t.group], g => g.state(t.local).to_vec()),
+        })
     }
 
     pub(crate) fn set_weights(&mut self, name: &str, w: &[f32]) -> Result<(), EmbeddingError> {
-        let t = &self.tables[self.table_or_err(name)?];
+        let i = self.table_or_err(name)?;
+        let t = &self.tables[i];
         let n = t.config.rows as usize * t.config.dim;
         if w.len() != n {
             return Err(EmbeddingError::Shape(format!("table \"{name}\" holds {n} floats, got {}", w.len())));
         }
-        dispatch!(&mut self.groups[t.group], g => g.set_weights(t.local, w));
+        match &mut self.caches[i] {
+            Some(c) => dispatch!(&mut self.groups[t.group], g => {
+                for (r, row) in w.chunks_exact(t.config.dim).enumerate() {
+                    c.write_row(g, t.local, r as u32, row, None);
+                }
+            }),
+            None => dispatch!(&mut self.groups[t.group], g => g.set_weights(t.local, w)),
+        }
         Ok(())
     }
 
     pub(crate) fn set_state(&mut self, name: &str, s: &[f32]) -> Result<(), EmbeddingError> {
-        let t = &self.tables[self.table_or_err(name)?];
-        let n = t.config.rows as usize * t.optimizer.state_per_row(t.config.dim);
+        let i = self.table_or_err(name)?;
+        let t = &self.tables[i];
+        let spr = t.optimizer.state_per_row(t.config.dim);
+        let n = t.config.rows as usize * spr;
         if s.len() != n {
             return Err(EmbeddingError::Shape(format!(
                 "optimizer state of table \"{name}\" holds {n} floats, got {}",
                 s.len()
             )));
         }
-        dispatch!(&mut self.groups[t.group], g => g.set_state(t.local, s));
+        match &mut self.caches[i] {
+            Some(c) if spr > 0 => dispatch!(&mut self.groups[t.group], g => {
+                for (r, row) in s.chunks_exact(spr).enumerate() {
+                    c.write_state(g, t.local, r as u32, row);
+                }
+            }),
+            Some(_) => {}
+            None => dispatch!(&mut self.groups[t.group], g => g.set_state(t.local, s)),
+        }
         Ok(())
     }
 
@@ -215,7 +288,8 @@ impl Core {
         key: u64,
         block: Option<(&crate::tbe::RowBlock, u64)>,
     ) -> Result<(), EmbeddingError> {
-        let t = &self.tables[self.table_or_err(name)?];
+        let i = self.table_or_err(name)?;
+        let t = &self.tables[i];
         let n = t.config.rows;
         if let Some(r) = rows.iter().find(|&&r| r >= n) {
             return Err(EmbeddingError::Shape(format!("table \"{name}\" has {n} rows, cannot reset row {r}")));
@@ -230,7 +304,19 @@ impl Core {
             )));
         }
         let bound = (1.0 / table_rows as f64).sqrt() as f32;
-        dispatch!(&mut self.groups[t.group], g => g.reset_rows(t.local, rows, bound, key, block));
+        match &mut self.caches[i] {
+            Some(c) => {
+                let zeros = vec![0f32; t.optimizer.state_per_row(t.config.dim)];
+                let mut row = Vec::new();
+                dispatch!(&mut self.groups[t.group], g => {
+                    for &r in rows {
+                        crate::tbe::reset_row_values(key, bound, block, r, &mut row);
+                        c.write_row(g, t.local, r as u32, &row, Some(&zeros));
+                    }
+                })
+            }
+            None => dispatch!(&mut self.groups[t.group], g => g.reset_rows(t.local, rows, bound, key, block)),
+        }
         Ok(())
     }
 
@@ -239,6 +325,111 @@ impl Core {
         let t = &self.tables[self.table_or_err(name)?];
         dispatch!(&mut self.groups[t.group], g => g.iter = steps);
         Ok(())
+    }
+
+    /// Whether any table is cached.
+    pub(crate) fn has_cache(&self) -> bool {
+        self.caches.iter().any(Option::is_some)
+    }
+
+    /// Per cached table, the rows its outputs read in `kjt` (ids clamped as the kernels do).
+    fn cached_rows(&self, kjt: &KeyedJaggedTensor, keys: &[usize]) -> Vec<(usize, Vec<u32>)> {
+        let mut out: Vec<(usize, Vec<u32>)> = Vec::new();
+        for (o, &k) in self.outputs.iter().zip(keys) {
+            if self.caches[o.table].is_none() {
+                continue;
+            }
+            let rows = self.tables[o.table].config.rows;
+            let ids = kjt.feature(k).values.iter().map(|&id| clamp_row(id, rows) as u32);
+            match out.iter_mut().find(|(t, _)| *t == o.table) {
+                Some((_, v)) => v.extend(ids),
+                None => out.push((o.table, ids.collect())),
+            }
+        }
+        out
+    }
+
+    /// Pins `rows` (from [`Self::cached_rows`]) in their caches; on failure nothing stays pinned.
+    fn pin_rows(&mut self, rows: Vec<(usize, Vec<u32>)>) -> Result<Pending, EmbeddingError> {
+        let fingerprint = fingerprint(&rows);
+        let mut pins: Vec<(usize, Vec<u32>)> = Vec::new();
+        for (t, r) in rows {
+            let info = &self.tables[t];
+            let cache = self.caches[t].as_mut().expect("a cached table");
+            let got = dispatch!(&mut self.groups[info.group], g => cache.pin(&info.config.name, g, info.local, r.into_iter()));
+            match got {
+                Ok(slots) => pins.push((t, slots)),
+                Err(e) => {
+                    for (t, slots) in &pins {
+                        self.caches[*t].as_mut().expect("a cached table").unpin(slots, false);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Pending { fingerprint, pins })
+    }
+
+    /// Loads the rows `kjt` reads into the caches of cached tables and pins them until the
+    /// batch's update (the next backward of this batch) or [`Self::discard_prefetched`].
+    pub(crate) fn prefetch(&mut self, kjt: &KeyedJaggedTensor, keys: &[usize]) -> Result<(), EmbeddingError> {
+        if !self.has_cache() {
+            return Ok(());
+        }
+        let rows = self.cached_rows(kjt, keys);
+        let pending = self.pin_rows(rows)?;
+        self.pending.push_back(pending);
+        Ok(())
+    }
+
+    /// Unpins every prefetched batch not trained yet.
+    pub(crate) fn discard_prefetched(&mut self) {
+        while let Some(p) = self.pending.pop_front() {
+            for (t, slots) in &p.pins {
+                self.caches[*t].as_mut().expect("a cached table").unpin(slots, false);
+            }
+        }
+    }
+
+    /// Prefetched batches waiting for their update.
+    pub(crate) fn prefetched(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// How the kernels read each output's ids: `None` for tables in memory.
+    pub(crate) fn lookups(&self, kjt: &KeyedJaggedTensor, keys: &[usize]) -> Vec<Option<Lookup>> {
+        self.outputs
+            .iter()
+            .zip(keys)
+            .map(|(o, &k)| {
+                let cache = self.caches[o.table].as_ref()?;
+                let info = &self.tables[o.table];
+                let rows = info.config.rows;
+                let values = kjt.feature(k).values;
+                let slots: Option<Vec<i64>> =
+                    values.iter().map(|&id| cache.slot(clamp_row(id, rows) as u32).map(i64::from)).collect();
+                if let Some(slots) = slots {
+                    return Some(Lookup::Slots(slots));
+                }
+                // Not prefetched: read the batch's distinct rows from slots or file.
+                let mut index: HashMap<u32, i64> = HashMap::new();
+                let mut staged = Vec::new();
+                let mut row = vec![0f32; o.dim];
+                let values = values
+                    .iter()
+                    .map(|&id| {
+                        let r = clamp_row(id, rows) as u32;
+                        *index.entry(r).or_insert_with(|| {
+                            dispatch!(&self.groups[info.group], g => cache.read_row(g, info.local, r, &mut row));
+                            staged.extend_from_slice(&row);
+                            (staged.len() / o.dim - 1) as i64
+                        })
+                    })
+                    .collect();
+                let n = index.len() as u64;
+                Some(Lookup::Staged { values, rows: staged, n })
+            })
+            .collect()
     }
 
     /// Positions of the outputs' input features in `kjt`.
@@ -335,9 +526,42 @@ impl Core {
                 u32::MAX
             )));
         }
+        // Cached tables: the batch's rows resident and pinned (by its prefetch, or now).
+        let pins = if self.has_cache() {
+            let rows = self.cached_rows(kjt, keys);
+            match self.pending.front() {
+                Some(p) if p.fingerprint == fingerprint(&rows) => self.pending.pop_front().expect("a front").pins,
+                Some(_) => {
+                    return Err(EmbeddingError::Config(
+                        "this batch is not the next prefetched one: update batches in the order they were prefetched"
+                            .into(),
+                    ));
+                }
+                None => self.pin_rows(rows)?.pins,
+            }
+        } else {
+            Vec::new()
+        };
+        let slot_ids: Vec<Option<Vec<u32>>> = self
+            .outputs
+            .iter()
+            .zip(keys)
+            .map(|(o, &k)| {
+                let cache = self.caches[o.table].as_ref()?;
+                let rows = self.tables[o.table].config.rows;
+                Some(
+                    kjt.feature(k)
+                        .values
+                        .iter()
+                        .map(|&id| cache.slot(clamp_row(id, rows) as u32).expect("pinned rows are resident"))
+                        .collect(),
+                )
+            })
+            .collect();
         let batch = kjt.stride();
         let outputs = &self.outputs;
         let tables = &self.tables;
+        let slot_ids = &slot_ids;
         let mut lists: Vec<(usize, usize, &mut Vec<Occ>)> = Vec::new();
         for (g, group) in self.occ.iter_mut().enumerate() {
             for (local, list) in group.iter_mut().enumerate() {
@@ -359,11 +583,11 @@ impl Core {
                     let pool = if mean && e > s { 1.0 / (e - s) as f32 } else { 1.0 };
                     for pos in s..e {
                         let w = if weighted { f.weights.map_or(1.0, |w| w[pos]) } else { 1.0 };
-                        list.push(Occ {
-                            row: crate::tbe::clamp_row(f.values[pos], rows) as u32,
-                            src: src(oi, b, pos) as u32,
-                            scale: pool * w,
-                        });
+                        let row = match &slot_ids[oi] {
+                            Some(slots) => slots[pos],
+                            None => clamp_row(f.values[pos], rows) as u32,
+                        };
+                        list.push(Occ { row, src: src(oi, b, pos) as u32, scale: pool * w });
                     }
                 }
             }
@@ -378,8 +602,24 @@ impl Core {
         for ((group, occ), tmp) in self.groups.iter_mut().zip(&mut self.occ).zip(&mut self.tmp) {
             dispatch!(group, g => g.update(occ, tmp, grad, threads));
         }
+        for (t, slots) in &pins {
+            self.caches[*t].as_mut().expect("a cached table").unpin(slots, true);
+        }
         Ok(())
     }
+}
+
+/// Identifies a batch by the rows it reads from cached tables.
+fn fingerprint(rows: &[(usize, Vec<u32>)]) -> u64 {
+    let mut h = 0xCBF2_9CE4_8422_2325u64;
+    for (t, r) in rows {
+        h = (h ^ *t as u64).wrapping_mul(0x100_0000_01B3);
+        h = (h ^ r.len() as u64).wrapping_mul(0x100_0000_01B3);
+        for &x in r {
+            h = (h ^ u64::from(x)).wrapping_mul(0x100_0000_01B3);
+        }
+    }
+    h
 }
 
 /// The bound (TorchRec's `sqrt(1 / rows)`) and generator key of table number `t`'s initial

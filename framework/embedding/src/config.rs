@@ -292,6 +292,9 @@ pub struct EmbeddingBagConfig {
     pub stochastic_rounding: bool,
     /// This table's own fused optimizer; `None` uses the collection's.
     pub optimizer: Option<SparseOptimizerConfig>,
+    /// Keep only a cache of the rows in memory, the table in a file (the CPU
+    /// `fused_uvm_caching` kernel); `None` holds the whole table in memory.
+    pub cache: Option<crate::CacheConfig>,
 }
 
 impl EmbeddingBagConfig {
@@ -306,7 +309,14 @@ impl EmbeddingBagConfig {
             precision: WeightPrecision::Fp32,
             stochastic_rounding: true,
             optimizer: None,
+            cache: None,
         }
+    }
+
+    /// The same table behind a cache of `cache.slots` rows (the table itself in a file).
+    pub fn with_cache(mut self, cache: crate::CacheConfig) -> Self {
+        self.cache = Some(cache);
+        self
     }
 
     /// The same table stored in `precision`.

@@ -3,7 +3,7 @@ use std::sync::atomic::Ordering;
 use rayon::prelude::*;
 use trainrec_sparse::{KeyedJaggedTensor, KeyedTensor};
 
-use crate::collection::{Core, dispatch};
+use crate::collection::{Core, Lookup, dispatch};
 use crate::tbe::PoolArgs;
 use crate::tbe::RowBlock;
 use crate::{BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig};
@@ -132,6 +132,33 @@ impl EmbeddingBagCollection {
             .map_err(|e| EmbeddingError::Shape(e.to_string()))
     }
 
+    /// Loads the rows `kjt` reads into the caches of cached tables (see
+    /// [`crate::CacheConfig`]) and pins them until this batch's
+    /// [`Self::backward_and_update`], so its forward and update never read the backing file.
+    /// A pipeline prefetches batch i+1 before batch i's update; batches must then be updated
+    /// in the order they were prefetched. No-op without cached tables.
+    pub fn prefetch(&mut self, kjt: &KeyedJaggedTensor) -> Result<(), EmbeddingError> {
+        let keys = self.core.resolve(kjt)?;
+        self.core.check_ids(kjt, &keys)?;
+        self.core.prefetch(kjt, &keys)
+    }
+
+    /// Unpins the prefetched batches that will not be trained (the data ended, or an
+    /// evaluation prefetched them).
+    pub fn discard_prefetched(&mut self) {
+        self.core.discard_prefetched()
+    }
+
+    /// Batches prefetched and not updated yet.
+    pub fn prefetched(&self) -> usize {
+        self.core.prefetched()
+    }
+
+    /// Cache counters of table `name`; `None` unless it is cached.
+    pub fn cache_stats(&self, name: &str) -> Option<crate::CacheStats> {
+        self.core.caches[self.core.table_index(name)?].as_ref().map(|c| c.stats)
+    }
+
     /// The collection's tables and outputs.
     pub(crate) fn core(&self) -> &Core {
         &self.core
@@ -159,13 +186,19 @@ impl EmbeddingBagCollection {
         }
         let chunk = (batch / (rayon::current_num_threads() * 8)).clamp(16, 512);
         let core = &self.core;
+        let lookups = if core.has_cache() { core.lookups(kjt, &keys) } else { Vec::new() };
         let job = |c: usize, rows: &mut [f32]| {
             let b0 = c * chunk;
-            for (o, &k) in core.outputs.iter().zip(&keys) {
+            for (oi, (o, &k)) in core.outputs.iter().zip(&keys).enumerate() {
                 let t = &core.tables[o.table];
                 let f = kjt.feature(k);
+                let lookup = lookups.get(oi).and_then(Option::as_ref);
+                let values = match lookup {
+                    Some(Lookup::Slots(v) | Lookup::Staged { values: v, .. }) => v.as_slice(),
+                    None => f.values,
+                };
                 let p = PoolArgs {
-                    values: f.values,
+                    values,
                     weights: f.weights,
                     b0,
                     n: rows.len() / width.max(1),
@@ -173,7 +206,12 @@ impl EmbeddingBagCollection {
                     col: o.column,
                     mean: t.config.pooling == PoolingMode::Mean,
                 };
-                dispatch!(&core.groups[t.group], g => g.pool(t.local, |b| f.bag_start(b), &p, rows));
+                match lookup {
+                    Some(Lookup::Staged { rows: staged, n, .. }) => {
+                        crate::tbe::pool_over(staged, *n, o.dim, |b| f.bag_start(b), &p, rows)
+                    }
+                    _ => dispatch!(&core.groups[t.group], g => g.pool(t.local, |b| f.bag_start(b), &p, rows)),
+                }
             }
         };
         let step = (chunk * width).max(1);
@@ -224,15 +262,27 @@ impl EmbeddingBagCollection {
         self.check_grad(kjt, grad_output)?;
         let width = self.width;
         let core = &self.core;
+        let lookups = if core.has_cache() { core.lookups(kjt, &keys) } else { Vec::new() };
         Ok(core
             .outputs
             .par_iter()
             .zip(&keys)
-            .map(|(o, &k)| {
+            .enumerate()
+            .map(|(oi, (o, &k))| {
                 let t = &core.tables[o.table];
                 let f = kjt.feature(k);
                 let mut ids_rows = vec![0f32; f.values.len() * o.dim];
-                dispatch!(&core.groups[t.group], g => g.gather(t.local, f.values, &mut ids_rows));
+                match lookups.get(oi).and_then(Option::as_ref) {
+                    None => dispatch!(&core.groups[t.group], g => g.gather(t.local, f.values, &mut ids_rows)),
+                    Some(Lookup::Slots(slots)) => {
+                        dispatch!(&core.groups[t.group], g => g.gather(t.local, slots, &mut ids_rows))
+                    }
+                    Some(Lookup::Staged { values, rows, .. }) => {
+                        for (dst, &i) in ids_rows.chunks_exact_mut(o.dim).zip(values) {
+                            dst.copy_from_slice(&rows[i as usize * o.dim..][..o.dim]);
+                        }
+                    }
+                }
                 let mut out = vec![0f32; f.values.len()];
                 for b in 0..f.num_bags() {
                     let (s, e) = (f.bag_start(b), f.bag_start(b + 1));

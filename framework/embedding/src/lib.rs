@@ -9,6 +9,7 @@
 //! as a leaf tensor and [`EmbeddingBagCollection::backward_and_update`] consumes its gradient.
 
 pub mod bench;
+mod cache;
 mod collection;
 mod config;
 mod ebc;
@@ -23,6 +24,7 @@ mod tbe;
 #[cfg(test)]
 mod tests;
 
+pub use cache::{CacheConfig, CachePolicy, CacheStats};
 pub use collection::initial_weights;
 pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, WeightDecayMode,

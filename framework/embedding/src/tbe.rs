@@ -211,106 +211,28 @@ impl<T: Weight + Pod> Tbe<T> {
         &self.weights.as_slice()[s.w_off..s.w_off + s.rows as usize * s.dim]
     }
 
+    /// Row `r` of table `t`: its weights and optimizer state.
+    pub(crate) fn row(&self, t: usize, r: usize) -> (&[T], &[f32]) {
+        let s = &self.slots[t];
+        (
+            &self.weights.as_slice()[s.w_off + r * s.dim..][..s.dim],
+            &self.state.as_slice()[s.s_off + r * s.spr..][..s.spr],
+        )
+    }
+
+    /// Row `r` of table `t`, writable.
+    pub(crate) fn row_mut(&mut self, t: usize, r: usize) -> (&mut [T], &mut [f32]) {
+        let s = &self.slots[t];
+        let (w_off, s_off, dim, spr) = (s.w_off + r * s.dim, s.s_off + r * s.spr, s.dim, s.spr);
+        (&mut self.weights.as_mut_slice()[w_off..][..dim], &mut self.state.as_mut_slice()[s_off..][..spr])
+    }
+
     /// Pools the bags `p` describes of one feature of table `t` into `out` (rows of
     /// `p.width` floats starting at bag `p.b0`), columns `p.col..p.col + dim` (overwritten).
     pub(crate) fn pool(&self, t: usize, starts: impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-            return unsafe { self.pool_avx2(t, &starts, p, out) };
-        }
-        self.pool_impl(t, &starts, p, out)
+        let s = &self.slots[t];
+        pool_over(self.table(t), s.rows, s.dim, starts, p, out)
     }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    fn pool_avx2(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
-        self.pool_impl(t, starts, p, out)
-    }
-
-    #[inline(always)]
-    fn pool_impl(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
-        // Common dims get a copy whose accumulator lives in registers for the whole bag.
-        match self.slots[t].dim {
-            4 => self.pool_fixed::<4>(t, starts, p, out),
-            8 => self.pool_fixed::<8>(t, starts, p, out),
-            16 => self.pool_fixed::<16>(t, starts, p, out),
-            32 => self.pool_fixed::<32>(t, starts, p, out),
-            64 => self.pool_fixed::<64>(t, starts, p, out),
-            128 => self.pool_fixed::<128>(t, starts, p, out),
-            _ => self.pool_any(t, starts, p, out),
-        }
-    }
-
-    #[inline(always)]
-    fn pool_fixed<const D: usize>(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
-        let rows = self.slots[t].rows;
-        let table = self.table(t);
-        let end = starts(p.b0 + p.n);
-        let mut pos = starts(p.b0);
-        for local in 0..p.n {
-            let stop = starts(p.b0 + local + 1);
-            let len = stop - pos;
-            let mut acc = [0f32; D];
-            while pos < stop {
-                if pos + PREFETCH < end {
-                    let r = clamp_row(p.values[pos + PREFETCH], rows);
-                    prefetch(table.as_ptr().wrapping_add(r * D), D * size_of::<T>());
-                }
-                let r = clamp_row(p.values[pos], rows);
-                let src: &[T; D] = table[r * D..][..D].try_into().expect("a row has D weights");
-                match p.weights {
-                    None => (0..D).for_each(|d| acc[d] += src[d].to_f32()),
-                    Some(wt) => {
-                        let a = wt[pos];
-                        (0..D).for_each(|d| acc[d] += a * src[d].to_f32());
-                    }
-                }
-                pos += 1;
-            }
-            if p.mean && len > 0 {
-                let inv = 1.0 / len as f32;
-                acc.iter_mut().for_each(|x| *x *= inv);
-            }
-            out[local * p.width + p.col..][..D].copy_from_slice(&acc);
-        }
-    }
-
-    #[inline(always)]
-    fn pool_any(&self, t: usize, starts: &impl Fn(usize) -> usize, p: &PoolArgs, out: &mut [f32]) {
-        let Slot { rows, dim, .. } = self.slots[t];
-        let table = self.table(t);
-        let row_bytes = dim * size_of::<T>();
-        let end = starts(p.b0 + p.n);
-        let mut pos = starts(p.b0);
-        for local in 0..p.n {
-            let stop = starts(p.b0 + local + 1);
-            let dst = &mut out[local * p.width + p.col..][..dim];
-            dst.fill(0.0);
-            let len = stop - pos;
-            while pos < stop {
-                if pos + PREFETCH < end {
-                    let r = clamp_row(p.values[pos + PREFETCH], rows);
-                    prefetch(table.as_ptr().wrapping_add(r * dim), row_bytes);
-                }
-                let r = clamp_row(p.values[pos], rows);
-                let src = &table[r * dim..][..dim];
-                match p.weights {
-                    None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s.to_f32()),
-                    Some(wt) => {
-                        let a = wt[pos];
-                        dst.iter_mut().zip(src).for_each(|(d, s)| *d += a * s.to_f32());
-                    }
-                }
-                pos += 1;
-            }
-            if p.mean && len > 0 {
-                let inv = 1.0 / len as f32;
-                dst.iter_mut().for_each(|d| *d *= inv);
-            }
-        }
-    }
-
     /// Copies the rows of `ids` of table `t` into `out` (`ids.len() * dim` floats).
     pub(crate) fn gather(&self, t: usize, ids: &[i64], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
@@ -408,6 +330,136 @@ impl<T: Weight + Pod> Tbe<T> {
             jobs.into_iter().for_each(|job| job.run(&step, grad, rng_key));
         } else {
             jobs.into_par_iter().for_each(|job| job.run(&step, grad, rng_key));
+        }
+    }
+}
+
+/// Pools bags over `table` (`rows x dim`, stored precision): [`Tbe::pool`] over any row
+/// buffer, e.g. the rows a cached table staged for a batch.
+pub(crate) fn pool_over<T: Weight>(
+    table: &[T],
+    rows: u64,
+    dim: usize,
+    starts: impl Fn(usize) -> usize,
+    p: &PoolArgs,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
+        return unsafe { pool_avx2(table, rows, dim, &starts, p, out) };
+    }
+    pool_impl(table, rows, dim, &starts, p, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn pool_avx2<T: Weight>(
+    table: &[T],
+    rows: u64,
+    dim: usize,
+    starts: &impl Fn(usize) -> usize,
+    p: &PoolArgs,
+    out: &mut [f32],
+) {
+    pool_impl(table, rows, dim, starts, p, out)
+}
+
+#[inline(always)]
+fn pool_impl<T: Weight>(
+    table: &[T],
+    rows: u64,
+    dim: usize,
+    starts: &impl Fn(usize) -> usize,
+    p: &PoolArgs,
+    out: &mut [f32],
+) {
+    // Common dims get a copy whose accumulator lives in registers for the whole bag.
+    match dim {
+        4 => pool_fixed::<T, 4>(table, rows, starts, p, out),
+        8 => pool_fixed::<T, 8>(table, rows, starts, p, out),
+        16 => pool_fixed::<T, 16>(table, rows, starts, p, out),
+        32 => pool_fixed::<T, 32>(table, rows, starts, p, out),
+        64 => pool_fixed::<T, 64>(table, rows, starts, p, out),
+        128 => pool_fixed::<T, 128>(table, rows, starts, p, out),
+        _ => pool_any(table, rows, dim, starts, p, out),
+    }
+}
+
+#[inline(always)]
+fn pool_fixed<T: Weight, const D: usize>(
+    table: &[T],
+    rows: u64,
+    starts: &impl Fn(usize) -> usize,
+    p: &PoolArgs,
+    out: &mut [f32],
+) {
+    let end = starts(p.b0 + p.n);
+    let mut pos = starts(p.b0);
+    for local in 0..p.n {
+        let stop = starts(p.b0 + local + 1);
+        let len = stop - pos;
+        let mut acc = [0f32; D];
+        while pos < stop {
+            if pos + PREFETCH < end {
+                let r = clamp_row(p.values[pos + PREFETCH], rows);
+                prefetch(table.as_ptr().wrapping_add(r * D), D * size_of::<T>());
+            }
+            let r = clamp_row(p.values[pos], rows);
+            let src: &[T; D] = table[r * D..][..D].try_into().expect("a row has D weights");
+            match p.weights {
+                None => (0..D).for_each(|d| acc[d] += src[d].to_f32()),
+                Some(wt) => {
+                    let a = wt[pos];
+                    (0..D).for_each(|d| acc[d] += a * src[d].to_f32());
+                }
+            }
+            pos += 1;
+        }
+        if p.mean && len > 0 {
+            let inv = 1.0 / len as f32;
+            acc.iter_mut().for_each(|x| *x *= inv);
+        }
+        out[local * p.width + p.col..][..D].copy_from_slice(&acc);
+    }
+}
+
+#[inline(always)]
+fn pool_any<T: Weight>(
+    table: &[T],
+    rows: u64,
+    dim: usize,
+    starts: &impl Fn(usize) -> usize,
+    p: &PoolArgs,
+    out: &mut [f32],
+) {
+    let row_bytes = dim * size_of::<T>();
+    let end = starts(p.b0 + p.n);
+    let mut pos = starts(p.b0);
+    for local in 0..p.n {
+        let stop = starts(p.b0 + local + 1);
+        let dst = &mut out[local * p.width + p.col..][..dim];
+        dst.fill(0.0);
+        let len = stop - pos;
+        while pos < stop {
+            if pos + PREFETCH < end {
+                let r = clamp_row(p.values[pos + PREFETCH], rows);
+                prefetch(table.as_ptr().wrapping_add(r * dim), row_bytes);
+            }
+            let r = clamp_row(p.values[pos], rows);
+            let src = &table[r * dim..][..dim];
+            match p.weights {
+                None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s.to_f32()),
+                Some(wt) => {
+                    let a = wt[pos];
+                    dst.iter_mut().zip(src).for_each(|(d, s)| *d += a * s.to_f32());
+                }
+            }
+            pos += 1;
+        }
+        if p.mean && len > 0 {
+            let inv = 1.0 / len as f32;
+            dst.iter_mut().for_each(|d| *d *= inv);
         }
     }
 }
@@ -522,6 +574,15 @@ const INIT_BLOCK_ROWS: usize = 1 << 14;
 
 fn init_rng(key: u64, block: usize) -> RowRng {
     RowRng::new(key ^ (block as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// The columns `block.cols` of the re-initialised row `r` of a block (see
+/// [`Tbe::reset_rows`]), into `out`.
+pub(crate) fn reset_row_values(key: u64, bound: f32, block: &RowBlock, r: u64, out: &mut Vec<f32>) {
+    let mut rng = init_rng(key, (r + block.row_offset) as usize);
+    let full: Vec<f32> = (0..block.full_dim).map(|_| init_value(&mut rng, bound)).collect();
+    out.clear();
+    out.extend_from_slice(&full[block.cols.clone()]);
 }
 
 /// 24 random bits: uniform on a grid of 2^24 points in `[-bound, bound]`.
