@@ -426,3 +426,52 @@ fn managed_collisions_beat_modulo_hashing_on_the_criteo_sample() {
     }
     assert!(with_mc > without + 0.003, "mean AUC with managed collisions {with_mc} vs modulo hashing {without}");
 }
+
+/// A run's `metrics.jsonl` lines, parsed.
+fn metric_lines(dir: &Path) -> Vec<serde_json::Value> {
+    let log = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    log.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn cached_tables_train_like_tables_in_memory_with_and_without_prefetch() {
+    let recipe = workspace().join("recipes/offload/quickstart_cached.toml");
+    let go = |name: &str, extra: &[String]| {
+        let dir = out_dir(name);
+        let mut o: Vec<String> =
+            ["train.steps=120", "train.eval_every=60", "train.log_every=20", "data.sampler.eval_samples=2048"]
+                .map(String::from)
+                .to_vec();
+        o.push(format!("run.output_dir=\"{}\"", dir.display()));
+        o.extend_from_slice(extra);
+        run(&recipe, &o);
+        metric_lines(&dir)
+    };
+    let without_cache = |lines: &[serde_json::Value]| -> Vec<serde_json::Value> {
+        let mut lines = lines.to_vec();
+        for l in &mut lines {
+            // Throughput is wall time: it differs run to run.
+            l["metrics"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("cache/") && !k.contains("throughput"));
+        }
+        lines
+    };
+    // The same recipe with its four cached tables in memory.
+    let in_memory: Vec<String> = (0..4).map(|i| format!("tables[{i}].constraints={{}}")).collect();
+    let plain = go("offload-in-memory", &in_memory);
+    assert!(!plain.iter().any(|l| l["metrics"].as_object().unwrap().keys().any(|k| k.starts_with("cache/"))));
+    let plain = without_cache(&plain);
+    assert!(plain.len() >= 8, "{plain:?}");
+    for kind in ["prefetch_sparse_dist", "base"] {
+        let cached = go(&format!("offload-{kind}"), &[format!("pipeline.kind=\"{kind}\"")]);
+        assert_eq!(without_cache(&cached), plain, "{kind}: cached tables trained differently");
+        let last =
+            cached.iter().rev().find(|l| l["metrics"].get("cache/t_C1/hit_rate").is_some()).expect("cache stats");
+        for t in ["t_C1", "t_C2", "t_C3", "t_C4"] {
+            let m = |k: &str| last["metrics"][format!("cache/{t}/{k}")].as_f64().unwrap();
+            // 300 of 1000 rows cached, ~120 distinct ids per batch: hits and evictions both.
+            assert!(m("hit_rate") > 0.1 && m("hit_rate") < 0.9, "{kind} {t}: {last}");
+            assert!(m("evictions") > 0.0 && m("loaded_mib") > 0.0, "{kind} {t}: {last}");
+        }
+        assert!(last["metrics"].get("cache/t_C5/hit_rate").is_none(), "t_C5 is in memory");
+    }
+}

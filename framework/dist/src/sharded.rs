@@ -339,6 +339,11 @@ impl Layout {
                 c.name = name.clone();
                 c.rows = shard.rows.end - shard.rows.start;
                 c.dim = shard.cols.len();
+                // A cached table's shard caches its share of the table's cache rows.
+                if let Some(cache) = &mut c.cache {
+                    let share = (u128::from(cache.slots) * u128::from(c.rows)).div_ceil(u128::from(t.rows.max(1)));
+                    cache.slots = (share as u64).clamp(1, c.rows.max(1));
+                }
                 c.pooling = PoolingMode::Sum;
                 c.features = t.features.iter().map(|f| format!("{f}/shard{si}")).collect();
                 local_tables.push(c);

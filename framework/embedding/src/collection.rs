@@ -529,14 +529,9 @@ impl Core {
         // Cached tables: the batch's rows resident and pinned (by its prefetch, or now).
         let pins = if self.has_cache() {
             let rows = self.cached_rows(kjt, keys);
-            match self.pending.front() {
-                Some(p) if p.fingerprint == fingerprint(&rows) => self.pending.pop_front().expect("a front").pins,
-                Some(_) => {
-                    return Err(EmbeddingError::Config(
-                        "this batch is not the next prefetched one: update batches in the order they were prefetched"
-                            .into(),
-                    ));
-                }
+            let f = fingerprint(&rows);
+            match self.pending.iter().position(|p| p.fingerprint == f) {
+                Some(i) => self.pending.remove(i).expect("a prefetched batch").pins,
                 None => self.pin_rows(rows)?.pins,
             }
         } else {

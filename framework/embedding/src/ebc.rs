@@ -135,8 +135,8 @@ impl EmbeddingBagCollection {
     /// Loads the rows `kjt` reads into the caches of cached tables (see
     /// [`crate::CacheConfig`]) and pins them until this batch's
     /// [`Self::backward_and_update`], so its forward and update never read the backing file.
-    /// A pipeline prefetches batch i+1 before batch i's update; batches must then be updated
-    /// in the order they were prefetched. No-op without cached tables.
+    /// A pipeline prefetches batch i+1 before batch i's update. A batch updated without a
+    /// prefetch pins its rows for the update alone. No-op without cached tables.
     pub fn prefetch(&mut self, kjt: &KeyedJaggedTensor) -> Result<(), EmbeddingError> {
         let keys = self.core.resolve(kjt)?;
         self.core.check_ids(kjt, &keys)?;

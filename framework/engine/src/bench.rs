@@ -96,6 +96,13 @@ pub struct DlrmBench {
     /// so the step's large tensors reuse warm pages instead of fresh zeroed ones (page faults);
     /// see [`tune_allocator`].
     pub malloc_tuning: bool,
+    /// Offload every table behind a cache of this share of its rows (`fused_uvm_caching`,
+    /// LRU); `None` keeps them in memory.
+    pub cache_load_factor: Option<f64>,
+    /// Directory of the offloaded tables' files (default: under the bench's temp dir).
+    pub offload_dir: Option<std::path::PathBuf>,
+    /// Prefetch batch i+1's cached rows while batch i's dense part runs.
+    pub prefetch: bool,
 }
 
 impl Default for DlrmBench {
@@ -119,6 +126,9 @@ impl Default for DlrmBench {
             threads: 0,
             profile: false,
             malloc_tuning: true,
+            cache_load_factor: None,
+            offload_dir: None,
+            prefetch: false,
         }
     }
 }
@@ -146,11 +156,20 @@ fn recipe_toml(b: &DlrmBench, out_dir: &std::path::Path) -> String {
         pf = b.ids_per_feature,
         train = (b.batch * b.num_batches) as u64,
     );
+    let cache = b.cache_load_factor.map_or(String::new(), |f| {
+        format!("constraints = {{ compute_kernels = [\"fused_uvm_caching\"], cache = {{ load_factor = {f:?} }} }}\n")
+    });
     for i in 0..b.num_sparse {
         s.push_str(&format!(
-            "[[tables]]\nname = \"t_cat_{i}\"\nfeatures = [\"cat_{i}\"]\nrows = {}\ndim = {}\n\n",
+            "[[tables]]\nname = \"t_cat_{i}\"\nfeatures = [\"cat_{i}\"]\nrows = {}\ndim = {}\n{cache}\n",
             b.rows, b.dim
         ));
+    }
+    if let Some(dir) = &b.offload_dir {
+        s.push_str(&format!("[embedding]\noffload_dir = {:?}\n\n", dir.display().to_string()));
+    }
+    if b.prefetch {
+        s.push_str("[pipeline]\nkind = \"prefetch_sparse_dist\"\n\n");
     }
     s.push_str(&format!(
         "[model]\nkind = \"dlrm\"\ndense_arch = [{}]\nover_arch = [{}]\n\n\
@@ -400,10 +419,17 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
             meta.insert("build_s".into(), json!(t0.elapsed().as_secs_f64()));
             tracing::info!("timing");
             let mut last_loss = f64::NAN;
+            let prefetch = b.prefetch;
+            let mut k = 0usize;
             let r = time_steps(b.steps, b.warmup, || {
-                last_loss = job.train_step(next()).map_err(|e| e.to_string())?;
+                let batch = &batches[k % batches.len()];
+                k += 1;
+                // The batch after it, prefetched while it trains (its next call finds it ready).
+                let ahead = prefetch.then(|| &batches[k % batches.len()]);
+                last_loss = job.train_step_ahead(batch, ahead).map_err(|e| e.to_string())?;
                 Ok(())
             })?;
+            meta.insert("cache".into(), json!(job.cache_stats_json()));
             meta.insert("last_loss".into(), json!(last_loss));
             drop(job);
             if b.profile {

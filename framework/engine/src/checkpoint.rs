@@ -788,6 +788,8 @@ impl Checkpoint {
 /// or its optimizers, which a checkpoint continues.
 pub const RESUMABLE_KEYS: &[&str] = &[
     "run.output_dir",
+    "pipeline",
+    "embedding.offload_dir",
     "run.threads",
     "train",
     "topology.world_size",

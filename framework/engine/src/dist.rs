@@ -10,6 +10,7 @@
 //! any `world_size`. (TorchRec averages dense gradients but sums the embedding gradients of
 //! each rank's local mean loss, which scales the embeddings' gradient by the world size.)
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +31,7 @@ pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 /// The job's embedding bag collection: whole on one rank, or sharded over a group.
 pub(crate) enum SparseArch {
     /// Every table on this (only) rank.
-    Local(EmbeddingBagCollection),
+    Local(Box<EmbeddingBagCollection>),
     /// Tables sharded over the ranks by the plan.
     Sharded(Box<ShardedEbc>),
     /// Inference tables quantized from a one-rank collection (no training).
@@ -81,6 +82,40 @@ impl SparseArch {
                 Ok((t, None))
             }
         }
+    }
+
+    /// The one-rank collection, when the job has one.
+    pub(crate) fn local_mut(&mut self) -> Option<&mut EmbeddingBagCollection> {
+        match self {
+            Self::Local(ebc) => Some(ebc.as_mut()),
+            _ => None,
+        }
+    }
+
+    /// Unpins batches prefetched into table caches that will not be trained.
+    pub(crate) fn discard_prefetched(&mut self) {
+        if let Self::Local(ebc) = self {
+            ebc.discard_prefetched();
+        }
+    }
+
+    /// Cache counters of the cached tables this rank holds, by table (shard) name:
+    /// `cache/<table>/{hit_rate,misses,evictions,loaded_mib}`, cumulative.
+    pub(crate) fn cache_metric_values(&self) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        let ebc = match self {
+            Self::Local(ebc) => ebc,
+            _ => return out,
+        };
+        for t in ebc.table_configs() {
+            if let Some(s) = ebc.cache_stats(&t.name) {
+                out.insert(format!("cache/{}/hit_rate", t.name), s.hit_rate());
+                out.insert(format!("cache/{}/misses", t.name), s.misses as f64);
+                out.insert(format!("cache/{}/evictions", t.name), s.evictions as f64);
+                out.insert(format!("cache/{}/loaded_mib", t.name), s.loaded_bytes as f64 / (1 << 20) as f64);
+            }
+        }
+        out
     }
 
     fn inference_only() -> EngineError {
@@ -177,7 +212,7 @@ pub(crate) fn sharded_ebc(
     plan: &trainrec_planner::Plan,
     pg: Arc<dyn ProcessGroup>,
 ) -> Result<ShardedEbc, EngineError> {
-    let tables = crate::job::recipe_tables(recipe);
+    let tables = crate::job::planned_tables(recipe, plan);
     let shardings = ShardingPlan::from_plan(plan).shardings_for(&tables)?;
     let per_host = recipe.topology.local_world_size.unwrap_or(recipe.topology.world_size);
     Ok(ShardedEbc::new_on_hosts(tables, shardings, recipe.optimizer.sparse.clone(), recipe.run.seed, pg, per_host)?)

@@ -167,6 +167,30 @@ pub(crate) fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trai
     Ok(ebc)
 }
 
+/// The recipe's tables with the plan's kernels: a table planned `fused_uvm_caching` keeps a
+/// cache of `load factor x rows` rows (weights and optimizer state) in memory and the whole
+/// table in a file under `embedding.offload_dir`.
+pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> Vec<EmbeddingBagConfig> {
+    use trainrec_planner::{CacheAlgorithm, ComputeKernel};
+    let dir = recipe.embedding.offload_dir.clone().unwrap_or_else(|| recipe.output_dir().join("offload"));
+    let mut tables = recipe_tables(recipe);
+    for (c, t) in tables.iter_mut().zip(&recipe.tables) {
+        let Some(tp) = plan.tables.iter().find(|p| p.name == c.name) else { continue };
+        if tp.compute_kernel != ComputeKernel::FusedUvmCaching {
+            continue;
+        }
+        let load_factor = tp.cache_load_factor.unwrap_or(trainrec_planner::defaults::UVM_CACHING_RATIO);
+        let slots = ((load_factor * c.rows as f64).ceil() as u64).clamp(1, c.rows);
+        let policy = match t.constraints.cache.as_ref().and_then(|k| k.algorithm) {
+            Some(CacheAlgorithm::Lfu) => trainrec_embedding::CachePolicy::Lfu,
+            _ => trainrec_embedding::CachePolicy::Lru,
+        };
+        tracing::info!(table = %c.name, slots, rows = c.rows, ?policy, dir = %dir.display(), "cached table");
+        c.cache = Some(trainrec_embedding::CacheConfig { slots, policy, dir: dir.clone() });
+    }
+    tables
+}
+
 /// The recipe's `[[tables]]` as embedding table configurations.
 pub(crate) fn recipe_tables(recipe: &Recipe) -> Vec<EmbeddingBagConfig> {
     recipe
@@ -305,7 +329,15 @@ impl Job {
                     )?),
                 )
             }
-            None => (SparseArch::Local(recipe_ebc(&recipe)?), None),
+            None => {
+                let mut ebc = EmbeddingBagCollection::new(
+                    planned_tables(&recipe, &plan),
+                    recipe.optimizer.sparse.clone(),
+                    recipe.run.seed,
+                )?;
+                ebc.set_bounds_check(recipe.embedding.bounds_check);
+                (SparseArch::Local(Box::new(ebc)), None)
+            }
         };
         let retrieval =
             retrieval_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
@@ -370,16 +402,32 @@ impl Job {
     /// One training step; returns the batch's loss: the sum over tasks of the mean binary
     /// cross entropy (the mean for one task).
     pub fn train_step(&mut self, batch: &Batch) -> Result<f64, EngineError> {
-        Ok(self.train_step_with(batch, false)?.0)
+        Ok(self.train_step_with(batch, false, None)?.0)
+    }
+
+    /// [`Job::train_step`] that also prefetches `ahead` (the batch to train next) into the
+    /// caches of cached tables while this batch's dense part runs (one-rank jobs).
+    pub fn train_step_ahead(&mut self, batch: &Batch, ahead: Option<&Batch>) -> Result<f64, EngineError> {
+        Ok(self.train_step_with(batch, false, ahead)?.0)
+    }
+
+    /// The cumulative cache counters of the cached tables, by table.
+    pub fn cache_stats_json(&self) -> serde_json::Value {
+        serde_json::json!(self.sparse.cache_metric_values())
     }
 
     /// [`Job::train_step`]; with `want_predictions`, also the batch's predicted probabilities
     /// `[batch, tasks]` row-major (before this step's update); and the examples of the step's
     /// global batch (every rank's).
+    ///
+    /// `ahead`, the next batch, is prefetched into the caches of cached tables on a second
+    /// thread while this batch's dense forward and backward run (the `prefetch_sparse_dist`
+    /// pipeline; one-rank jobs).
     fn train_step_with(
         &mut self,
         batch: &Batch,
         want_predictions: bool,
+        ahead: Option<&Batch>,
     ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
         let remapped;
         let batch = if self.mc.is_empty() {
@@ -399,24 +447,84 @@ impl Job {
         let (dense, sparse, labels, ctx) = self.tensors(batch)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = crate::dist::full_batch(&batch.sparse)?;
-        let input = LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &ids };
+        let dense_parts = DenseParts {
+            model: self.model.as_mut(),
+            opt: &mut self.dense_opt,
+            sync: self.sync.as_ref(),
+            tasks: self.tasks.len(),
+        };
+        let prefetch = ahead.zip(self.sparse.local_mut());
+        let (dense_part, prefetched) = std::thread::scope(|scope| {
+            let job = prefetch.map(|(next, ebc)| {
+                scope.spawn(move || {
+                    let _span = tracing::debug_span!("prefetch").entered();
+                    let kjt = crate::dist::full_batch(&next.sparse)?;
+                    ebc.prefetch(&kjt).map_err(EngineError::from)
+                })
+            });
+            let dense_part = dense_parts.step(&dense, &sparse, &labels, &ids, ctx.as_ref(), batch, want_predictions);
+            let prefetched = job.map(|j| {
+                j.join().unwrap_or_else(|_| Err(EngineError::Internal("the prefetch thread panicked".into())))
+            });
+            (dense_part, prefetched)
+        });
+        let (loss_value, logits, examples) = dense_part?;
+        prefetched.transpose()?;
+        // The EBC reads the gradient tensor's memory in place.
+        self.sparse.backward(&batch.sparse, ctx, &sparse.grad())?;
+        let predictions = match logits {
+            Some(logits) if want_predictions => {
+                let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
+                Some(Vec::try_from(&p).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?)
+            }
+            _ => None,
+        };
+        Ok((loss_value, predictions, examples))
+    }
+}
+
+/// What a step's dense part uses of a job (apart from the sparse arch, which may be
+/// prefetching meanwhile).
+struct DenseParts<'a> {
+    model: &'a mut dyn DenseModel,
+    opt: &'a mut DenseOptimizer,
+    sync: Option<&'a DataParallel>,
+    tasks: usize,
+}
+
+impl DenseParts<'_> {
+    /// The dense model's forward, backward and update on one batch (the pooled embeddings
+    /// `sparse` a leaf that receives its gradient): the loss (global across ranks), the logits
+    /// when they are wanted, and the examples of the global batch.
+    #[allow(clippy::too_many_arguments)]
+    fn step(
+        self,
+        dense: &Tensor,
+        sparse: &Tensor,
+        labels: &Tensor,
+        ids: &trainrec_sparse::KeyedJaggedTensor,
+        ctx: Option<&DistContext>,
+        batch: &Batch,
+        want_predictions: bool,
+    ) -> Result<(f64, Option<Tensor>, usize), EngineError> {
+        let input = LossInput { dense, sparse, labels, ids };
         let (loss, logits) = match self.model.loss(&input) {
             // The model's own objective; predictions (for training metrics) are its scores.
             Some(loss) => {
-                let logits = want_predictions.then(|| tch::no_grad(|| self.model.forward(&dense, &sparse, true)));
+                let logits = want_predictions.then(|| tch::no_grad(|| self.model.forward(dense, sparse, true)));
                 (loss, logits)
             }
             None => {
-                let logits = self.model.forward(&dense, &sparse, true);
+                let logits = self.model.forward(dense, sparse, true);
                 // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
-                let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean)
-                    * self.tasks.len() as f64;
+                let loss = logits.binary_cross_entropy_with_logits::<Tensor>(labels, None, None, tch::Reduction::Mean)
+                    * self.tasks as f64;
                 (loss, Some(logits))
             }
         };
-        self.dense_opt.zero_grad();
-        let examples = ctx.as_ref().map_or(batch.batch_size, |c| c.batch_sizes().iter().sum());
-        let loss_value = match (&self.sync, &ctx) {
+        self.opt.zero_grad();
+        let examples = ctx.map_or(batch.batch_size, |c| c.batch_sizes().iter().sum());
+        let loss_value = match (self.sync, ctx) {
             (Some(sync), Some(ctx)) => {
                 // This rank's share of the global batch's loss: after the sum across ranks the
                 // gradients are the global batch's (see the `dist` module).
@@ -431,19 +539,12 @@ impl Job {
                 loss.double_value(&[])
             }
         };
-        self.dense_opt.step();
-        // The EBC reads the gradient tensor's memory in place.
-        self.sparse.backward(&batch.sparse, ctx, &sparse.grad())?;
-        let predictions = match logits {
-            Some(logits) if want_predictions => {
-                let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
-                Some(Vec::try_from(&p).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?)
-            }
-            _ => None,
-        };
-        Ok((loss_value, predictions, examples))
+        self.opt.step();
+        Ok((loss_value, logits, examples))
     }
+}
 
+impl Job {
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
     /// job has several tasks).
     pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
@@ -749,6 +850,15 @@ impl Job {
         let start_samples = p.samples;
         let epochs = train.epochs.unwrap_or(u64::MAX);
         let done = |step: u64| train.steps.is_some_and(|n| step >= n);
+        let wants_prefetch = self.recipe.pipeline.kind == trainrec_recipe::PipelineKind::PrefetchSparseDist;
+        let prefetching =
+            wants_prefetch && self.sync.is_none() && self.mc.is_empty() && matches!(self.sparse, SparseArch::Local(_));
+        if wants_prefetch && !prefetching {
+            tracing::warn!(
+                "pipeline.kind = \"prefetch_sparse_dist\" prefetches on one-rank jobs without managed collisions; \
+                 this job trains as `base` (cached rows load at each batch's update)"
+            );
+        }
         let first_epoch = p.epoch;
         'outer: for epoch in first_epoch..epochs {
             if done(p.step) {
@@ -765,8 +875,14 @@ impl Job {
                     break;
                 }
             }
+            // The prefetch pipeline reads one batch ahead and loads its cached rows while the
+            // current batch trains.
+            let mut ahead: Option<Batch> = None;
             loop {
-                let next = batches.next().transpose()?;
+                let next = match ahead.take() {
+                    Some(b) => Some(b),
+                    None => batches.next().transpose()?,
+                };
                 // Across ranks the epoch ends for all when one rank's data ends (no rank waits
                 // in a collective the others never join).
                 let go = match &self.sync {
@@ -777,7 +893,11 @@ impl Job {
                 // The libtorch generator (dropout) restarts from the seed and step, so a
                 // resumed run draws what an uninterrupted one does.
                 with_torch_seed((self.recipe.run.seed ^ p.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)) as i64, || ());
-                let (loss, predictions, examples) = self.train_step_with(&batch, train_suites.is_some())?;
+                if prefetching && !done(p.step + 1) {
+                    ahead = batches.next().transpose()?;
+                }
+                let (loss, predictions, examples) =
+                    self.train_step_with(&batch, train_suites.is_some(), ahead.as_ref())?;
                 if let (Some(suites), Some(pr)) = (&mut train_suites, &predictions) {
                     self.feed_all_ranks(suites, pr, &batch)?;
                 }
@@ -805,6 +925,7 @@ impl Job {
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
                     values.extend(self.mc.metric_values());
+                    values.extend(self.sparse.cache_metric_values());
                     train_values.extend(values);
                 }
                 p.set_window(window);
@@ -838,6 +959,7 @@ impl Job {
                 return Err(EngineError::EmptySplit("train"));
             }
         }
+        self.sparse.discard_prefetched();
         let (step, samples) = (p.step, p.samples);
         let (sum, n) = p.window();
         if n > 0 {
@@ -1102,43 +1224,9 @@ pub fn summary_table(s: &RunSummary) -> String {
 /// seed even while jobs in other threads (ranks of a thread group, tests run in parallel)
 /// reseed per step. Draws made later, during a step (dropout), are exact only when one job
 /// runs in the process: the generator is shared.
-pub(crate) fn with_torch_seed<T>(seed: i64, f: impl FnOnce() -> T) -> T {
+pub fn with_torch_seed<T>(seed: i64, f: impl FnOnce() -> T) -> T {
     static TORCH_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = TORCH_RNG.lock().unwrap_or_else(|p| p.into_inner());
     tch::manual_seed(seed);
     f()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::with_torch_seed;
-
-    #[test]
-    fn a_seeded_draw_is_not_disturbed_by_reseeding_in_other_threads() {
-        // Many small draws, as a model's init makes: room for another thread to reseed between.
-        let draw = || {
-            with_torch_seed(7, || {
-                (0..300)
-                    .flat_map(|_| Vec::<f32>::try_from(tch::Tensor::rand([8], tch::kind::FLOAT_CPU)).unwrap())
-                    .collect::<Vec<_>>()
-            })
-        };
-        let alone = draw();
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let spam = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut k = 0;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    with_torch_seed(k, || ());
-                    k += 1;
-                }
-            })
-        };
-        for _ in 0..50 {
-            assert_eq!(draw(), alone);
-        }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        spam.join().unwrap();
-    }
 }

@@ -19,7 +19,7 @@ pub use check::{check_loaded, load_and_check};
 pub use dist::DataParallel;
 pub use dmp::{DistributedModelParallel, StateEntry};
 pub use error::EngineError;
-pub use job::{Job, RunSummary, configure_threads};
+pub use job::{Job, RunSummary, configure_threads, with_torch_seed};
 pub use trainrec_plugin::{
     MetricFactory, Registry, RegistryError, SamplerFactory, TypedMetric, TypedModel, TypedSampler,
 };

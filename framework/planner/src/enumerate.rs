@@ -22,7 +22,8 @@ pub fn supported_kernels(st: ShardingType, device: ComputeDevice) -> Vec<Compute
     use ComputeKernel::*;
     match (st, device) {
         (ShardingType::DataParallel, _) => vec![Dense],
-        (_, ComputeDevice::Cpu) => vec![Fused],
+        // Cached on CPU: the cache in DDR, the table in a file on disk.
+        (_, ComputeDevice::Cpu) => vec![Fused, FusedUvmCaching],
         (_, ComputeDevice::Cuda) => vec![Fused, FusedUvm, FusedUvmCaching, KeyValue],
     }
 }
@@ -114,7 +115,11 @@ pub(crate) fn table_options(
             .into_iter()
             .filter(|k| match &c.compute_kernels {
                 Some(allowed) => allowed.contains(k),
-                None => *k != ComputeKernel::KeyValue,
+                // On CPU a table goes to disk only when its constraints ask for it.
+                None => {
+                    *k != ComputeKernel::KeyValue
+                        && !(device == ComputeDevice::Cpu && *k == ComputeKernel::FusedUvmCaching)
+                }
             })
             .filter(|k| *k != ComputeKernel::KeyValue || topo.ssd_cap > 0)
             .collect();

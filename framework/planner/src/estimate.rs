@@ -172,6 +172,11 @@ impl Estimator<'_> {
         match (t.compute_device, kernel) {
             (ComputeDevice::Cpu, ComputeKernel::Dense) => Some(0.5 * ddr),
             (ComputeDevice::Cpu, ComputeKernel::Fused) => Some(ddr),
+            // Prefetched: every lookup hits the cache. Otherwise misses read from disk.
+            (ComputeDevice::Cpu, ComputeKernel::FusedUvmCaching) if prefetch => Some(ddr),
+            (ComputeDevice::Cpu, ComputeKernel::FusedUvmCaching) => {
+                Some(ratio * ddr + (1.0 - ratio) * bytes_per_ms(t.ssd_mem_bw))
+            }
             (ComputeDevice::Cpu, _) => None,
             (ComputeDevice::Cuda, ComputeKernel::Dense) => Some(0.5 * hbm),
             (ComputeDevice::Cuda, ComputeKernel::Fused) => Some(hbm),
@@ -393,6 +398,9 @@ impl Estimator<'_> {
                 let (mut hbm, mut ddr, ssd) = if kernel == ComputeKernel::KeyValue {
                     // Rows (with optimizer state and cache metadata) on SSD; no L1 cache set.
                     (0, 0, specific(bytes, size, true))
+                } else if cached && t.compute_device == ComputeDevice::Cpu {
+                    // The cache (rows, their state, its index) in DDR; the table on disk.
+                    (0, specific(hbm_total, size, true), specific(bytes, size, false))
                 } else {
                     (specific(hbm_total, size, cached), specific(ddr_total, size, false), 0)
                 };

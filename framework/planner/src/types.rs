@@ -225,7 +225,8 @@ pub struct Constraints {
     /// Allowed sharding types. Default: all the device supports except `grid`.
     #[serde(default)]
     pub sharding_types: Option<Vec<ShardingType>>,
-    /// Allowed compute kernels. Default: all the device supports except `key_value`.
+    /// Allowed compute kernels. Default: all the device supports except `key_value` (and,
+    /// on CPU, `fused_uvm_caching`: a table goes to disk behind a cache only when asked).
     #[serde(default)]
     pub compute_kernels: Option<Vec<ComputeKernel>>,
     /// Smallest column block for column-wise sharding (TorchRec's `min_partition`). Default:

@@ -40,6 +40,34 @@ pub struct Recipe {
     /// The sharding planner.
     #[serde(default)]
     pub planner: PlannerSection,
+    /// How a training step's stages are scheduled.
+    #[serde(default)]
+    pub pipeline: PipelineSection,
+}
+
+/// `[pipeline]`: how the stages of a training step are scheduled (TorchRec's train
+/// pipelines). Every kind trains the same model; they differ in what overlaps.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineSection {
+    /// `base`: load, forward, backward, update, one batch at a time. `prefetch_sparse_dist`:
+    /// also reads batch i+1 ahead and loads its rows into the caches of cached tables
+    /// (`constraints.compute_kernels = ["fused_uvm_caching"]`) on a second thread while batch
+    /// i's dense forward and backward run, so batch i+1's lookups never read the disk. Default:
+    /// `base`.
+    #[serde(default)]
+    pub kind: PipelineKind,
+}
+
+/// A train pipeline.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PipelineKind {
+    /// One batch at a time.
+    #[default]
+    Base,
+    /// Batch i+1's rows are prefetched into the table caches while batch i trains.
+    PrefetchSparseDist,
 }
 
 /// `[topology]`: the ranks the embedding tables are sharded over, as the planner sees them.
@@ -330,6 +358,12 @@ pub struct EmbeddingSection {
     /// `WARNING`); `ignore` reads row 0 silently.
     #[serde(default)]
     pub bounds_check: BoundsCheckMode,
+    /// Directory of the backing files of cached tables (the `fused_uvm_caching` kernel on CPU:
+    /// the whole table on disk, a cache of `constraints.cache.load_factor` of its rows in
+    /// memory). Put it on a local SSD. The files are unlinked as soon as they are made, so
+    /// nothing stays behind. Default: `offload/` in the run directory.
+    #[serde(default)]
+    pub offload_dir: Option<std::path::PathBuf>,
 }
 
 /// `[optimizer]`: the two optimizers of a job. Neither has a silent default.

@@ -398,6 +398,17 @@ pub struct DlrmArgs {
     /// Leave glibc's allocator at its defaults (no mmap threshold / trim tuning).
     #[arg(long)]
     pub no_malloc_tuning: bool,
+    /// Offload every table: a cache of this share of its rows in memory, the table in a file
+    /// (`fused_uvm_caching`, LRU). Training mode only.
+    #[arg(long)]
+    pub cache_load_factor: Option<f64>,
+    /// Directory of the offloaded tables' backing files (default: the bench's temp dir).
+    #[arg(long)]
+    pub offload_dir: Option<PathBuf>,
+    /// Prefetch batch i+1's rows into the caches while batch i's dense part runs (the
+    /// `prefetch_sparse_dist` pipeline).
+    #[arg(long)]
+    pub prefetch: bool,
 }
 
 /// Flags of `trainrec bench data`.
@@ -708,6 +719,9 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 threads: a.threads,
                 profile: a.profile,
                 malloc_tuning: !a.no_malloc_tuning,
+                cache_load_factor: a.cache_load_factor,
+                offload_dir: a.offload_dir,
+                prefetch: a.prefetch,
             };
             print_bench(trainrec_engine::bench::run(&bench))
         }
