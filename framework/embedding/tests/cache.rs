@@ -217,17 +217,21 @@ fn a_cache_too_small_for_its_batches_fails_cleanly_and_stays_usable() {
 
 #[test]
 fn bad_cache_sizes_are_config_errors_naming_the_table() {
+    // A directory of its own: the other tests of this binary run in parallel threads, and
+    // their backing files show in `dir()` between being created and being unlinked.
+    let own = dir().join("bad-sizes");
+    std::fs::create_dir_all(&own).unwrap();
     for slots in [0, 11] {
         let t = EmbeddingBagConfig::new("t", 10, 1, PoolingMode::Sum, &["f"]).with_cache(CacheConfig {
             slots,
             policy: CachePolicy::Lru,
-            dir: dir(),
+            dir: own.clone(),
         });
         let err = EmbeddingBagCollection::new(vec![t], SparseOptimizerConfig::Sgd { lr: 1.0 }, 0).err().unwrap();
         assert!(err.to_string().contains("table \"t\"") && err.to_string().contains("1..=10"), "{err}");
     }
     // Nothing of the backing files stays behind.
     let left: Vec<_> =
-        std::fs::read_dir(dir()).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+        std::fs::read_dir(&own).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "{left:?}");
 }
