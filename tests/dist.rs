@@ -468,3 +468,129 @@ fn a_failing_rank_stops_the_others_with_its_own_error() {
     assert!(err.to_string().contains("rank 1 fails on purpose"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
 }
+
+/// `run.output_dir` of its own for a test's run `name`.
+fn own_out(name: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("trainrec-dist-pipe-{}", std::process::id())).join(name);
+    format!("run.output_dir=\"{}\"", dir.display())
+}
+
+fn same(what: &str, a: &Trained, b: &Trained) {
+    assert_eq!(a.steps, b.steps, "{what}: steps");
+    assert_eq!(a.loss, b.loss, "{what}: loss");
+    assert_eq!(a.dense, b.dense, "{what}: dense parameters");
+    assert_eq!(a.tables, b.tables, "{what}: tables");
+    assert_eq!(a.eval, b.eval, "{what}: eval");
+}
+
+#[test]
+fn pipelines_train_the_same_model_as_base_bit_for_bit() {
+    for sharding in ["row_wise", "table_wise", "column_wise", "data_parallel"] {
+        for (world, dedup) in [(1, false), (2, false), (3, true)] {
+            let name = format!("{sharding}-{world}-{dedup}");
+            let base = train_with(world, sharding, dedup, &[&own_out(&format!("{name}-base"))]);
+            assert_eq!(base.steps, 10);
+            for kind in ["sparse_dist", "prefetch_sparse_dist"] {
+                let out = own_out(&format!("{name}-{kind}"));
+                let piped = train_with(world, sharding, dedup, &[&format!("pipeline.kind=\"{kind}\""), &out]);
+                same(&format!("{kind}: {sharding} on {world} ranks (dedup {dedup})"), &piped, &base);
+            }
+        }
+    }
+}
+
+#[test]
+fn prefetching_into_cached_shards_trains_like_tables_in_memory() {
+    // Table ta of 400 rows cached at load factor 0.1, LFU: rows are evicted over the run, and
+    // the cache holds the rows of the batch in training and of the one prefetched.
+    let cached = r#"tables[0].constraints={sharding_types=["row_wise"], compute_kernels=["fused_uvm_caching"], cache={load_factor=0.1, algorithm="lfu"}}"#;
+    let root = std::env::temp_dir().join(format!("trainrec-dist-pipe-{}", std::process::id()));
+    for world in [1, 2] {
+        let in_memory =
+            train_with(world, "row_wise", false, &["tables[0].rows=400", &own_out(&format!("mem-{world}"))]);
+        for kind in ["base", "prefetch_sparse_dist"] {
+            let name = format!("cached-{world}-{kind}");
+            let offload = format!("embedding.offload_dir=\"{}\"", root.display());
+            let piped = train_with(
+                world,
+                "row_wise",
+                false,
+                &["tables[0].rows=400", cached, &format!("pipeline.kind=\"{kind}\""), &own_out(&name), &offload],
+            );
+            let what = format!("cached ta, {kind} on {world} ranks");
+            same(&what, &piped, &in_memory);
+            // Rank 0's cache evicted rows (its counters are on the train lines).
+            let log = std::fs::read_to_string(root.join(&name).join("metrics.jsonl")).unwrap();
+            let last: serde_json::Value =
+                serde_json::from_str(log.lines().rfind(|l| l.contains("evictions")).expect("cache stats")).unwrap();
+            let evictions: f64 = last["metrics"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(k, _)| k.starts_with("cache/ta") && k.ends_with("/evictions"))
+                .map(|(_, v)| v.as_f64().unwrap())
+                .sum();
+            assert!(evictions > 0.0, "{what}: {last}");
+        }
+    }
+}
+
+#[test]
+fn execute_all_batches_false_drops_the_batch_in_flight_at_each_epochs_end() {
+    for world in [1, 2] {
+        // Five batches an epoch, the fifth dropped: as if each epoch had four.
+        let four =
+            train_with(world, "row_wise", false, &["data.sampler.batches=4", &own_out(&format!("four-{world}"))]);
+        assert_eq!(four.steps, 8);
+        for kind in ["sparse_dist", "prefetch_sparse_dist"] {
+            let piped = train_with(
+                world,
+                "row_wise",
+                false,
+                &[
+                    &format!("pipeline.kind=\"{kind}\""),
+                    "pipeline.execute_all_batches=false",
+                    &own_out(&format!("drop-{world}-{kind}")),
+                ],
+            );
+            same(&format!("{kind}, execute_all_batches = false, on {world} ranks"), &piped, &four);
+        }
+        // `base` has nothing in flight: the key changes nothing.
+        let base = train_with(
+            world,
+            "row_wise",
+            false,
+            &["pipeline.execute_all_batches=false", &own_out(&format!("drop-{world}-base"))],
+        );
+        assert_eq!(base.steps, 10);
+    }
+}
+
+#[test]
+fn a_stage_failure_stops_the_pipeline_after_the_updates_before_it() {
+    let registry = Registry::builtin().sampler::<Slices>();
+    let dir = std::env::temp_dir().join(format!("trainrec-dist-stagefail-{}", std::process::id()));
+    for (world, kind) in [(1, "base"), (1, "sparse_dist"), (3, "sparse_dist"), (3, "prefetch_sparse_dist")] {
+        let path = recipe(&dir, world, "row_wise", false, false);
+        let out = dir.join(format!("run-{world}-{kind}"));
+        let _ = std::fs::remove_dir_all(&out);
+        // Rank 0's third batch of the first epoch cannot be read; a checkpoint after every step.
+        let overrides = vec![
+            "data.sampler.fail_at=[0, 2]".to_string(),
+            format!("pipeline.kind=\"{kind}\""),
+            "train.checkpoint_every=1".into(),
+            format!("run.output_dir=\"{}\"", out.display()),
+        ];
+        let options = LoadOptions { overrides, env: false };
+        let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+        let start = std::time::Instant::now();
+        let Err(err) = trainrec::engine::dist::run_threads(&loaded, &features, &registry) else {
+            panic!("{kind} on {world} ranks: the job should fail");
+        };
+        assert!(err.to_string().contains("rank 0 fails on purpose"), "{kind} on {world} ranks: {err}");
+        assert!(start.elapsed() < Duration::from_secs(60), "{kind} on {world} ranks: took {:?}", start.elapsed());
+        // The two batches before it were trained and saved, as `base` does; nothing after.
+        let latest = trainrec::engine::checkpoint::latest(&out.join("checkpoints")).unwrap().expect("a checkpoint");
+        assert!(latest.ends_with("step-00000002"), "{kind} on {world} ranks: {}", latest.display());
+    }
+}

@@ -21,6 +21,6 @@ pub use group::{DistError, ProcessGroup, ProcessGroupExt, ReduceOp};
 pub use mpi_group::MpiGroup;
 pub use nccl_group::NcclGroup;
 pub use shard::{Module, ShardedModule, ShardingPlan, shard_ebc, shard_ec, shard_modules};
-pub use sharded::{DistContext, LocalShard, ShardSpec, ShardedEbc, StepTimes, TableSharding};
+pub use sharded::{DistContext, InputDist, LocalShard, ShardSpec, ShardedEbc, StepTimes, TableSharding};
 pub use sharded_ec::{EcContext, ShardedEc};
 pub use thread::ThreadGroup;

@@ -247,6 +247,33 @@ impl DistContext {
     }
 }
 
+/// A batch after its input dist ([`ShardedEbc::input_dist`]): the lookups this rank's
+/// shards serve, waiting for [`ShardedEbc::forward_dist`].
+pub struct InputDist {
+    /// Keys, ids and examples of the batch it was staged from (checked by `forward_dist`).
+    shape: (Vec<String>, usize, usize),
+    /// The batch's key of each output.
+    keys: Vec<usize>,
+    /// Examples of the batch.
+    b: usize,
+    times: StepTimes,
+    local_kjt: Option<KeyedJaggedTensor>,
+    batch_sizes: Vec<usize>,
+    nbags: Vec<usize>,
+    sample_bag: Vec<Option<Vec<usize>>>,
+    src_bags: Vec<Vec<usize>>,
+    bags: Vec<Vec<usize>>,
+    off: Vec<Vec<usize>>,
+    stride: usize,
+}
+
+impl InputDist {
+    /// The input dist's time and bytes.
+    pub fn times(&self) -> StepTimes {
+        self.times
+    }
+}
+
 /// An embedding bag collection sharded over a process group (see the module docs).
 pub struct ShardedEbc {
     pg: Arc<dyn ProcessGroup>,
@@ -920,13 +947,25 @@ impl ShardedEbc {
 
     /// Pooled lookups of this rank's batch `kjt` (every input feature): `[B, width]`
     /// row-major, the unsharded collection's layout, and the context its backward needs.
-    /// Collective: every rank calls it with its own batch.
+    /// Collective: every rank calls it with its own batch. The same as
+    /// [`Self::input_dist`] then [`Self::forward_dist`].
     ///
     /// A variable-batch (VBE) `kjt` (per key its distinct bags and `inverse_indices`, e.g. from
     /// [`KeyedJaggedTensor::dedup`]) moves and pools only the distinct bags; the output is
     /// expanded to the full batch of `B = inverse_indices` samples at the end, and equals the
     /// forward of the expanded batch.
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<f32>, DistContext), DistError> {
+        let staged = self.input_dist(kjt)?;
+        self.forward_dist(kjt, staged)
+    }
+
+    /// The first stage of [`Self::forward`]: the input dist of this rank's batch `kjt`
+    /// (bucketizing its ids by shard, the splits all-to-all and the lengths / ids / weights
+    /// all-to-alls) into the batch of lookups this rank's shards serve. It reads no weights,
+    /// so a pipeline runs it for batch i+1 before batch i's update (TorchRec's
+    /// `TrainPipelineSparseDist`). Collective: every rank stages its batches in the same
+    /// order, on one thread at a time.
+    pub fn input_dist(&self, kjt: &KeyedJaggedTensor) -> Result<InputDist, DistError> {
         let (world, me) = (self.pg.world_size(), self.pg.rank());
         let inverse = match (kjt.variable_stride_per_key(), kjt.inverse_indices()) {
             (false, _) => None,
@@ -1029,6 +1068,74 @@ impl ShardedEbc {
         times.input_bytes = 8 * splits.len()
             + 4 * len_counts.iter().sum::<usize>()
             + (8 + if weighted { 4 } else { 0 }) * val_counts.iter().sum::<usize>();
+        Ok(InputDist {
+            shape: (kjt.keys().to_vec(), kjt.values().len(), b),
+            keys,
+            b,
+            times,
+            local_kjt,
+            batch_sizes,
+            nbags,
+            sample_bag,
+            src_bags,
+            bags,
+            off,
+            stride,
+        })
+    }
+
+    /// Loads the rows `staged`'s lookups need into the caches of this rank's cached shards
+    /// and pins them until that batch's update (the `prefetch_sparse_dist` pipeline's stage;
+    /// nothing to do without cached shards).
+    pub fn prefetch(&mut self, staged: &InputDist) -> Result<(), DistError> {
+        if let (Some(local), Some(k)) = (&mut self.local, &staged.local_kjt) {
+            local.prefetch(k).map_err(module)?;
+        }
+        Ok(())
+    }
+
+    /// Unpins rows prefetched for batches that will not be trained.
+    pub fn discard_prefetched(&mut self) {
+        if let Some(local) = &mut self.local {
+            local.discard_prefetched();
+        }
+    }
+
+    /// This rank's local collection of shards (with their caches), when it holds any.
+    pub fn local(&self) -> Option<&EmbeddingBagCollection> {
+        self.local.as_ref()
+    }
+
+    /// The rest of [`Self::forward`] after [`Self::input_dist`] of the same `kjt`: the local
+    /// lookups, the output dist and the data-parallel tables. Collective.
+    pub fn forward_dist(
+        &self,
+        kjt: &KeyedJaggedTensor,
+        staged: InputDist,
+    ) -> Result<(Vec<f32>, DistContext), DistError> {
+        if staged.shape != (kjt.keys().to_vec(), kjt.values().len(), staged.b) {
+            return Err(DistError::Module(
+                "forward_dist: the staged input dist is of another batch (stage batches in the order they train)"
+                    .into(),
+            ));
+        }
+        let me = self.pg.rank();
+        let world = self.pg.world_size();
+        let mine = &self.routes[me];
+        let InputDist {
+            shape: _,
+            keys,
+            b,
+            mut times,
+            local_kjt,
+            batch_sizes,
+            nbags,
+            sample_bag,
+            src_bags,
+            bags,
+            off,
+            stride,
+        } = staged;
 
         // Lookup.
         let clock = std::time::Instant::now();

@@ -140,7 +140,7 @@ fn list(v: &[usize]) -> String {
 }
 
 /// The recipe of the benchmark's job.
-fn recipe_toml(b: &DlrmBench, out_dir: &std::path::Path) -> String {
+pub(crate) fn recipe_toml(b: &DlrmBench, out_dir: &std::path::Path) -> String {
     let keys: Vec<String> = (0..b.num_sparse).map(|i| format!("\"cat_{i}\"")).collect();
     let threads = if b.threads == 0 { String::new() } else { format!("threads = {}\n", b.threads) };
     let mut s = format!(
@@ -208,7 +208,7 @@ impl SplitMix {
 
 /// Batches shaped like TorchRec's `RandomRecDataset`: ids uniform in `0..rows`, exactly
 /// `ids_per_feature` per bag, dense features uniform in `[0, 1)`, labels 0 or 1.
-fn make_batches(b: &DlrmBench, features: &FeatureSchema) -> Result<Vec<Batch>, String> {
+pub(crate) fn make_batches(b: &DlrmBench, features: &FeatureSchema) -> Result<Vec<Batch>, String> {
     let mut rng = SplitMix(b.seed ^ 0x243F_6A88_85A3_08D3);
     let n = b.batch * b.ids_per_feature;
     let keys = features.sparse.clone();
@@ -334,7 +334,7 @@ fn loadavg() -> Value {
         .map_or(Value::Null, |v| json!(v))
 }
 
-fn median(ts: &[f64]) -> f64 {
+pub(crate) fn median(ts: &[f64]) -> f64 {
     let mut s = ts.to_vec();
     s.sort_by(f64::total_cmp);
     let n = s.len();
@@ -373,7 +373,7 @@ fn time_steps(
 }
 
 /// A temporary directory for the recipe, removed on drop.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl Drop for TempDir {
     fn drop(&mut self) {

@@ -58,8 +58,13 @@ pub(crate) fn examples(kjt: &KeyedJaggedTensor) -> usize {
 
 impl SparseArch {
     /// Pooled embeddings `[batch, width]` of `kjt` as a tensor, and the sharded forward's
-    /// context (collective when sharded).
-    pub(crate) fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<(Tensor, Option<DistContext>), EngineError> {
+    /// context (collective when sharded); `staged`: a sharded batch's input dist, when a
+    /// pipeline ran it ahead.
+    pub(crate) fn forward(
+        &self,
+        kjt: &KeyedJaggedTensor,
+        staged: Option<trainrec_dist::InputDist>,
+    ) -> Result<(Tensor, Option<DistContext>), EngineError> {
         match self {
             // One rank: a deduplicated batch is looked up expanded.
             Self::Local(ebc) => {
@@ -67,7 +72,10 @@ impl SparseArch {
                 Ok((crate::tensors::pooled_tensor(ebc, &kjt)?, None))
             }
             Self::Sharded(s) => {
-                let (out, ctx) = s.forward(kjt)?;
+                let (out, ctx) = match staged {
+                    Some(staged) => s.forward_dist(kjt, staged)?,
+                    None => s.forward(kjt)?,
+                };
                 let t = Tensor::from_slice(&out).f_view([examples(kjt) as i64, s.width() as i64])?;
                 Ok((t, Some(ctx)))
             }
@@ -84,18 +92,12 @@ impl SparseArch {
         }
     }
 
-    /// The one-rank collection, when the job has one.
-    pub(crate) fn local_mut(&mut self) -> Option<&mut EmbeddingBagCollection> {
-        match self {
-            Self::Local(ebc) => Some(ebc.as_mut()),
-            _ => None,
-        }
-    }
-
     /// Unpins batches prefetched into table caches that will not be trained.
     pub(crate) fn discard_prefetched(&mut self) {
-        if let Self::Local(ebc) = self {
-            ebc.discard_prefetched();
+        match self {
+            Self::Local(ebc) => ebc.discard_prefetched(),
+            Self::Sharded(s) => s.discard_prefetched(),
+            Self::Quantized(_) => {}
         }
     }
 
@@ -104,8 +106,12 @@ impl SparseArch {
     pub(crate) fn cache_metric_values(&self) -> BTreeMap<String, f64> {
         let mut out = BTreeMap::new();
         let ebc = match self {
-            Self::Local(ebc) => ebc,
-            _ => return out,
+            Self::Local(ebc) => ebc.as_ref(),
+            Self::Sharded(s) => match s.local() {
+                Some(local) => local,
+                None => return out,
+            },
+            Self::Quantized(_) => return out,
         };
         for t in ebc.table_configs() {
             if let Some(s) = ebc.cache_stats(&t.name) {
@@ -122,13 +128,14 @@ impl SparseArch {
         EngineError::Internal("quantized tables are for inference: they do not train or change".into())
     }
 
-    /// The fused backward and update from the pooled output's gradient.
+    /// The fused backward and update from the pooled output's gradient; a sharded step's
+    /// phase times.
     pub(crate) fn backward(
         &mut self,
         kjt: &KeyedJaggedTensor,
         ctx: Option<DistContext>,
         grad: &Tensor,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Option<trainrec_dist::StepTimes>, EngineError> {
         match (self, ctx) {
             (Self::Local(ebc), _) => {
                 let kjt = full_batch(kjt)?;
@@ -137,13 +144,14 @@ impl SparseArch {
             (Self::Sharded(s), Some(ctx)) => {
                 let times = crate::tensors::with_f32_slice(grad, |g| s.backward_and_update(ctx, g))?;
                 tracing::trace!(?times, "sharded embedding step");
+                return Ok(Some(times));
             }
             (Self::Sharded(_), None) => {
                 return Err(EngineError::Internal("sharded backward without its forward's context".into()));
             }
             (Self::Quantized(_), _) => return Err(Self::inference_only()),
         }
-        Ok(())
+        Ok(None)
     }
 
     /// This rank's shards of every table (each whole table on one rank).

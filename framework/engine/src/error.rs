@@ -37,6 +37,9 @@ pub enum EngineError {
     /// A checkpoint could not be written or read.
     #[error("checkpoint: {0}")]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    /// The recipe's `[pipeline]` cannot run this job as asked.
+    #[error("pipeline: {0}")]
+    Pipeline(String),
     /// A split produced no batches.
     #[error("the sampler's {0} split produced no batches; check its size settings")]
     EmptySplit(&'static str),

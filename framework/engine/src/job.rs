@@ -78,6 +78,10 @@ pub struct Job {
     base_dir: PathBuf,
     /// The checkpoint [`Job::run`] resumes from.
     resume: Option<crate::checkpoint::Checkpoint>,
+    /// Sharded jobs in a pipeline that reads ahead: the next batch after its input dist.
+    staged: Option<trainrec_dist::InputDist>,
+    /// The last sharded step's phase times (its input dist's wherever it ran).
+    last_times: Option<trainrec_dist::StepTimes>,
 }
 
 /// The corpus and cut-offs of a `recall_at_k` metric.
@@ -361,12 +365,19 @@ impl Job {
             mc,
             base_dir: loaded.base_dir.clone(),
             resume: None,
+            staged: None,
+            last_times: None,
         })
     }
 
     /// The batch's dense features, pooled embeddings and labels as tensors, and the sharded
-    /// forward's context (collective across ranks).
-    fn tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor, Tensor, Option<DistContext>), EngineError> {
+    /// forward's context (collective across ranks); `staged`: the batch's input dist, when a
+    /// pipeline ran it ahead.
+    fn tensors(
+        &self,
+        batch: &Batch,
+        staged: Option<trainrec_dist::InputDist>,
+    ) -> Result<(Tensor, Tensor, Tensor, Option<DistContext>), EngineError> {
         let b = batch.batch_size as i64;
         if batch.dense.len() != batch.batch_size * self.num_dense
             || batch.labels.len() != batch.batch_size * self.num_labels
@@ -386,7 +397,7 @@ impl Job {
             }));
         }
         let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?;
-        let (sparse, ctx) = self.sparse.forward(&batch.sparse)?;
+        let (sparse, ctx) = self.sparse.forward(&batch.sparse, staged)?;
         // [batch, tasks]: each task's label column (all columns, in order, need no selection).
         let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?;
         let identity = self.tasks.len() == self.num_labels && self.tasks.iter().enumerate().all(|(t, &(_, c))| t == c);
@@ -405,10 +416,24 @@ impl Job {
         Ok(self.train_step_with(batch, false, None)?.0)
     }
 
-    /// [`Job::train_step`] that also prefetches `ahead` (the batch to train next) into the
-    /// caches of cached tables while this batch's dense part runs (one-rank jobs).
+    /// [`Job::train_step`] that also stages `ahead`, the batch to train next, while this
+    /// batch's dense forward and backward run, as the recipe's `[pipeline] kind` says: its
+    /// input dist across ranks (`sparse_dist`), and its rows loaded into the caches of cached
+    /// tables (`prefetch_sparse_dist`). The next call must train `ahead`.
     pub fn train_step_ahead(&mut self, batch: &Batch, ahead: Option<&Batch>) -> Result<f64, EngineError> {
         Ok(self.train_step_with(batch, false, ahead)?.0)
+    }
+
+    /// The last training step's phase times on this rank, for sharded jobs: input dist,
+    /// lookup, output dist, gradient dist, update (a pipeline's input dist ran on its stage
+    /// thread, hidden behind the previous step's dense part).
+    pub fn last_step_times(&self) -> Option<trainrec_dist::StepTimes> {
+        self.last_times
+    }
+
+    /// The process group of a job trained across ranks.
+    pub fn group(&self) -> Option<&std::sync::Arc<dyn trainrec_dist::ProcessGroup>> {
+        self.sync.as_ref().map(|s| &s.pg)
     }
 
     /// The cumulative cache counters of the cached tables, by table.
@@ -420,9 +445,10 @@ impl Job {
     /// `[batch, tasks]` row-major (before this step's update); and the examples of the step's
     /// global batch (every rank's).
     ///
-    /// `ahead`, the next batch, is prefetched into the caches of cached tables on a second
-    /// thread while this batch's dense forward and backward run (the `prefetch_sparse_dist`
-    /// pipeline; one-rank jobs).
+    /// `ahead`, the next batch, is staged on a second thread while this batch's dense forward
+    /// and backward run (see [`Job::train_step_ahead`]); that thread is the only one to run
+    /// collectives meanwhile (the dense gradients' all-reduce waits for it), so every backend
+    /// sees one collective at a time. A sharded job's staged batch waits in `self.staged`.
     fn train_step_with(
         &mut self,
         batch: &Batch,
@@ -444,34 +470,48 @@ impl Job {
             remapped = b;
             &remapped
         };
-        let (dense, sparse, labels, ctx) = self.tensors(batch)?;
+        let staged = self.staged.take();
+        let (dense, sparse, labels, ctx) = self.tensors(batch, staged)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = crate::dist::full_batch(&batch.sparse)?;
-        let dense_parts = DenseParts {
+        let mut dense_parts = DenseParts {
             model: self.model.as_mut(),
             opt: &mut self.dense_opt,
             sync: self.sync.as_ref(),
             tasks: self.tasks.len(),
         };
-        let prefetch = ahead.zip(self.sparse.local_mut());
-        let (dense_part, prefetched) = std::thread::scope(|scope| {
-            let job = prefetch.map(|(next, ebc)| {
-                scope.spawn(move || {
-                    let _span = tracing::debug_span!("prefetch").entered();
-                    let kjt = crate::dist::full_batch(&next.sparse)?;
-                    ebc.prefetch(&kjt).map_err(EngineError::from)
-                })
+        let prefetch = self.recipe.pipeline.kind == trainrec_recipe::PipelineKind::PrefetchSparseDist;
+        let stage = match (ahead, &mut self.sparse) {
+            (Some(next), SparseArch::Local(ebc)) if prefetch => Some(Stage::Prefetch(next, ebc.as_mut())),
+            (Some(next), SparseArch::Sharded(s)) => Some(Stage::InputDist(next, s.as_mut(), prefetch)),
+            _ => None,
+        };
+        let (dense_part, staged) = std::thread::scope(|scope| {
+            let job = stage.map(|stage| {
+                std::thread::Builder::new()
+                    .name("stage-ahead".into())
+                    .spawn_scoped(scope, move || stage.run())
+                    .map_err(|e| EngineError::Internal(format!("cannot start the pipeline's stage thread: {e}")))
             });
-            let dense_part = dense_parts.step(&dense, &sparse, &labels, &ids, ctx.as_ref(), batch, want_predictions);
-            let prefetched = job.map(|j| {
-                j.join().unwrap_or_else(|_| Err(EngineError::Internal("the prefetch thread panicked".into())))
+            let dense_part = {
+                let _span = tracing::debug_span!("dense").entered();
+                dense_parts.forward_backward(&dense, &sparse, &labels, &ids, ctx.as_ref(), batch, want_predictions)
+            };
+            let staged = job.map(|j| {
+                j?.join().unwrap_or_else(|_| Err(EngineError::Internal("the pipeline's stage thread panicked".into())))
             });
-            (dense_part, prefetched)
+            (dense_part, staged)
         });
-        let (loss_value, logits, examples) = dense_part?;
-        prefetched.transpose()?;
+        // A stage's failure is reported before this batch's update is applied: no rank has
+        // applied it (each rank's stage fails in the same collective, or its peers see it leave).
+        let (scaled_loss, logits, examples) = dense_part?;
+        self.staged = staged.transpose()?.flatten();
+        let loss_value = dense_parts.finish(scaled_loss, ctx.is_some())?;
         // The EBC reads the gradient tensor's memory in place.
-        self.sparse.backward(&batch.sparse, ctx, &sparse.grad())?;
+        {
+            let _span = tracing::debug_span!("sparse_update").entered();
+            self.last_times = self.sparse.backward(&batch.sparse, ctx, &sparse.grad())?;
+        }
         let predictions = match logits {
             Some(logits) if want_predictions => {
                 let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
@@ -480,6 +520,39 @@ impl Job {
             _ => None,
         };
         Ok((loss_value, predictions, examples))
+    }
+}
+
+/// What the pipeline's second thread does for the next batch while this one's dense part
+/// runs.
+enum Stage<'a> {
+    /// One rank: load the batch's rows into the caches of cached tables.
+    Prefetch(&'a Batch, &'a mut EmbeddingBagCollection),
+    /// Sharded: the batch's input dist, then (with `true`) its rows into the shards' caches.
+    InputDist(&'a Batch, &'a mut trainrec_dist::ShardedEbc, bool),
+}
+
+impl Stage<'_> {
+    fn run(self) -> Result<Option<trainrec_dist::InputDist>, EngineError> {
+        match self {
+            Self::Prefetch(next, ebc) => {
+                let _span = tracing::debug_span!("prefetch").entered();
+                let kjt = crate::dist::full_batch(&next.sparse)?;
+                ebc.prefetch(&kjt)?;
+                Ok(None)
+            }
+            Self::InputDist(next, s, prefetch) => {
+                let staged = {
+                    let _span = tracing::debug_span!("input_dist").entered();
+                    s.input_dist(&next.sparse)?
+                };
+                if prefetch {
+                    let _span = tracing::debug_span!("prefetch").entered();
+                    s.prefetch(&staged)?;
+                }
+                Ok(Some(staged))
+            }
+        }
     }
 }
 
@@ -493,12 +566,13 @@ struct DenseParts<'a> {
 }
 
 impl DenseParts<'_> {
-    /// The dense model's forward, backward and update on one batch (the pooled embeddings
-    /// `sparse` a leaf that receives its gradient): the loss (global across ranks), the logits
-    /// when they are wanted, and the examples of the global batch.
+    /// The dense model's forward and backward on one batch (the pooled embeddings `sparse` a
+    /// leaf that receives its gradient), with no collective: the loss (this rank's share of
+    /// the global batch's across ranks), the logits when they are wanted, and the examples of
+    /// the global batch. [`DenseParts::finish`] sums the gradients and updates.
     #[allow(clippy::too_many_arguments)]
-    fn step(
-        self,
+    fn forward_backward(
+        &mut self,
         dense: &Tensor,
         sparse: &Tensor,
         labels: &Tensor,
@@ -525,22 +599,32 @@ impl DenseParts<'_> {
         self.opt.zero_grad();
         let examples = ctx.map_or(batch.batch_size, |c| c.batch_sizes().iter().sum());
         let loss_value = match (self.sync, ctx) {
-            (Some(sync), Some(ctx)) => {
+            (Some(_), Some(ctx)) => {
                 // This rank's share of the global batch's loss: after the sum across ranks the
                 // gradients are the global batch's (see the `dist` module).
                 let global: usize = ctx.batch_sizes().iter().sum();
                 let share = batch.batch_size as f64 / global.max(1) as f64;
                 let scaled = &loss * share;
                 scaled.backward();
-                sync.all_reduce(scaled.double_value(&[]))?
+                scaled.double_value(&[])
             }
             _ => {
                 loss.backward();
                 loss.double_value(&[])
             }
         };
-        self.opt.step();
         Ok((loss_value, logits, examples))
+    }
+
+    /// Across ranks, sums the gradients and the loss shares (collective); then the dense
+    /// optimizer's update. Returns the (global) loss.
+    fn finish(self, loss: f64, sharded: bool) -> Result<f64, EngineError> {
+        let loss = match self.sync {
+            Some(sync) if sharded => sync.all_reduce(loss)?,
+            _ => loss,
+        };
+        self.opt.step();
+        Ok(loss)
     }
 }
 
@@ -582,7 +666,7 @@ impl Job {
                 self.mc.eval(&mut b.sparse)?;
                 b
             };
-            let (dense, sparse, labels, _) = self.tensors(&batch)?;
+            let (dense, sparse, labels, _) = self.tensors(&batch, None)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
@@ -677,7 +761,7 @@ impl Job {
             let values: Vec<i64> = (start as i64..(start as usize + n) as i64).collect();
             let kjt = trainrec_sparse::KeyedJaggedTensor::new(keys.clone(), values, None, lengths, n)
                 .map_err(|e| EngineError::Data(e.into()))?;
-            let (sparse, _) = self.sparse.forward(&kjt)?;
+            let (sparse, _) = self.sparse.forward(&kjt, None)?;
             parts.push(tch::no_grad(|| retrieval.candidate_embeddings(&sparse)));
             start += n as u64;
         }
@@ -850,13 +934,17 @@ impl Job {
         let start_samples = p.samples;
         let epochs = train.epochs.unwrap_or(u64::MAX);
         let done = |step: u64| train.steps.is_some_and(|n| step >= n);
-        let wants_prefetch = self.recipe.pipeline.kind == trainrec_recipe::PipelineKind::PrefetchSparseDist;
-        let prefetching =
-            wants_prefetch && self.sync.is_none() && self.mc.is_empty() && matches!(self.sparse, SparseArch::Local(_));
-        if wants_prefetch && !prefetching {
+        let pipeline = self.recipe.pipeline.clone();
+        // The pipelines that read ahead; managed collisions remap a batch's ids just before
+        // its lookup (the remap of batch i+1 resets rows batch i's update writes), so those
+        // jobs train as `base`.
+        let pipelined =
+            pipeline.reads_ahead() && self.mc.is_empty() && !matches!(self.sparse, SparseArch::Quantized(_));
+        if pipeline.reads_ahead() && !pipelined {
             tracing::warn!(
-                "pipeline.kind = \"prefetch_sparse_dist\" prefetches on one-rank jobs without managed collisions; \
-                 this job trains as `base` (cached rows load at each batch's update)"
+                "pipeline.kind = {:?}: a job with managed collisions trains as `base` (each batch's ids are \
+                 remapped just before its lookup)",
+                pipeline.kind
             );
         }
         let first_epoch = p.epoch;
@@ -875,27 +963,55 @@ impl Job {
                     break;
                 }
             }
-            // The prefetch pipeline reads one batch ahead and loads its cached rows while the
-            // current batch trains.
+            // The pipelines read batch i+1 ahead (every rank agrees it exists before its input
+            // dist starts) and stage it while batch i trains.
             let mut ahead: Option<Batch> = None;
+            let mut first = true;
+            let mut dropped = false;
             loop {
-                let next = match ahead.take() {
-                    Some(b) => Some(b),
-                    None => batches.next().transpose()?,
+                let batch = match ahead.take() {
+                    Some(b) => b,
+                    // A pipeline that read ahead and found nothing: the epoch's data ended.
+                    None if pipelined && !first => break,
+                    None => {
+                        let next = batches.next().transpose()?;
+                        // Across ranks the epoch ends for all when one rank's data ends (no
+                        // rank waits in a collective the others never join).
+                        let go = match &self.sync {
+                            Some(sync) => sync.all_have(next.is_some())?,
+                            None => next.is_some(),
+                        };
+                        match next.filter(|_| go) {
+                            Some(b) => b,
+                            None => break,
+                        }
+                    }
                 };
-                // Across ranks the epoch ends for all when one rank's data ends (no rank waits
-                // in a collective the others never join).
-                let go = match &self.sync {
-                    Some(sync) => sync.all_have(next.is_some())?,
-                    None => next.is_some(),
-                };
-                let Some(batch) = next.filter(|_| go) else { break };
+                first = false;
                 // The libtorch generator (dropout) restarts from the seed and step, so a
                 // resumed run draws what an uninterrupted one does.
                 with_torch_seed((self.recipe.run.seed ^ p.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)) as i64, || ());
-                if prefetching && !done(p.step + 1) {
-                    ahead = batches.next().transpose()?;
+                // A failed read of the next batch is reported after this one is trained, as
+                // `base` would.
+                let mut read_error = None;
+                if pipelined && !done(p.step + 1) {
+                    let next = batches.next().transpose().unwrap_or_else(|e| {
+                        read_error = Some(e);
+                        None
+                    });
+                    let go = match &self.sync {
+                        Some(sync) => sync.all_have(next.is_some())?,
+                        None => next.is_some(),
+                    };
+                    ahead = next.filter(|_| go);
+                    if ahead.is_none() && read_error.is_none() && !pipeline.execute_all_batches {
+                        // TorchRec's `execute_all_batches=False`: the batch in flight when the
+                        // data ends is dropped.
+                        dropped = true;
+                        break;
+                    }
                 }
+                let _step_span = tracing::debug_span!("step", step = p.step + 1).entered();
                 let (loss, predictions, examples) =
                     self.train_step_with(&batch, train_suites.is_some(), ahead.as_ref())?;
                 if let (Some(suites), Some(pr)) = (&mut train_suites, &predictions) {
@@ -951,15 +1067,29 @@ impl Job {
                     // unwinding, nothing flushed.
                     std::process::abort();
                 }
+                if let Some(e) = read_error {
+                    return Err(e.into());
+                }
                 if done(step) {
                     break 'outer;
                 }
+            }
+            // Nothing staged outlives its epoch (a dropped batch's input dist and prefetch).
+            self.staged = None;
+            self.sparse.discard_prefetched();
+            if p.in_epoch == 0 && dropped {
+                return Err(EngineError::Pipeline(
+                    "pipeline.execute_all_batches = false drops the batch in flight when an epoch's data ends, \
+                     and this epoch has only one batch: set it to true or give the epoch more data"
+                        .into(),
+                ));
             }
             if p.in_epoch == 0 {
                 return Err(EngineError::EmptySplit("train"));
             }
         }
         self.sparse.discard_prefetched();
+        self.staged = None;
         let (step, samples) = (p.step, p.samples);
         let (sum, n) = p.window();
         if n > 0 {

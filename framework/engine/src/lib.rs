@@ -1,6 +1,7 @@
 //! Builds a training job from a recipe and runs it: the only part that knows all the others.
 
 pub mod bench;
+pub mod bench_pipeline;
 pub mod check;
 pub mod checkpoint;
 pub mod dist;

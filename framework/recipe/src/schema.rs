@@ -47,16 +47,40 @@ pub struct Recipe {
 
 /// `[pipeline]`: how the stages of a training step are scheduled (TorchRec's train
 /// pipelines). Every kind trains the same model; they differ in what overlaps.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PipelineSection {
-    /// `base`: load, forward, backward, update, one batch at a time. `prefetch_sparse_dist`:
-    /// also reads batch i+1 ahead and loads its rows into the caches of cached tables
-    /// (`constraints.compute_kernels = ["fused_uvm_caching"]`) on a second thread while batch
-    /// i's dense forward and backward run, so batch i+1's lookups never read the disk. Default:
-    /// `base`.
+    /// `base`: load, forward, backward, update, one batch at a time. `sparse_dist`: batch
+    /// i+1 is read ahead and its input dist (the ids' all-to-alls to the ranks holding their
+    /// rows) runs on a second thread while batch i's dense forward and backward run.
+    /// `prefetch_sparse_dist`: as `sparse_dist`, and that thread also loads batch i+1's rows
+    /// into the caches of cached tables (`constraints.compute_kernels =
+    /// ["fused_uvm_caching"]`), so its lookups never read the disk. Default: `base`.
     #[serde(default)]
     pub kind: PipelineKind,
+    /// What the pipelines that read ahead do when an epoch's data ends: `true` trains the
+    /// batches still in flight (every batch is trained); `false` drops them and ends the
+    /// epoch at once, as TorchRec's pipelines with `execute_all_batches=False` (the last
+    /// batch of each epoch is not trained). No effect on `base`. Default: `true`.
+    #[serde(default = "yes")]
+    pub execute_all_batches: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for PipelineSection {
+    fn default() -> Self {
+        Self { kind: PipelineKind::default(), execute_all_batches: true }
+    }
+}
+
+impl PipelineSection {
+    /// Whether the pipeline reads batch i+1 ahead of batch i's update.
+    pub fn reads_ahead(&self) -> bool {
+        self.kind != PipelineKind::Base
+    }
 }
 
 /// A train pipeline.
@@ -66,7 +90,10 @@ pub enum PipelineKind {
     /// One batch at a time.
     #[default]
     Base,
-    /// Batch i+1's rows are prefetched into the table caches while batch i trains.
+    /// Batch i+1's input dist runs while batch i trains.
+    SparseDist,
+    /// Batch i+1's input dist runs and its rows are prefetched into the table caches while
+    /// batch i trains.
     PrefetchSparseDist,
 }
 

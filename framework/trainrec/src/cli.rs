@@ -209,6 +209,69 @@ pub enum BenchCommand {
     /// update time per step for W2's shape, next to the raw all-to-all of the same bytes. Ranks
     /// are threads of this process, or MPI processes under `mpirun` (built with `--features mpi`).
     Dist(DistArgs),
+    /// W2's DLRM trained across ranks under each train pipeline (`base`, `sparse_dist`,
+    /// `prefetch_sparse_dist`): per-step time, and the input dist time `sparse_dist` hides
+    /// behind the dense part. Ranks are threads of this process, or MPI processes under
+    /// `mpirun` (built with `--features mpi`).
+    Pipeline(PipelineArgs),
+}
+
+/// A train pipeline of `bench pipeline`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum PipelineArg {
+    /// One batch at a time.
+    Base,
+    /// Batch i+1's input dist while batch i computes.
+    SparseDist,
+    /// `sparse_dist`, and batch i+1's rows prefetched into the table caches.
+    PrefetchSparseDist,
+}
+
+/// Flags of `trainrec bench pipeline`.
+#[derive(Debug, clap::Args)]
+pub struct PipelineArgs {
+    /// Ranks (threads of this process; under `mpirun`, its `-n` instead).
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// The pipelines timed, in order, each on a freshly built job.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "base,sparse-dist")]
+    pub kinds: Vec<PipelineArg>,
+    /// How every table is sharded.
+    #[arg(long, value_enum, default_value = "row-wise")]
+    pub sharding: DistShardingArg,
+    /// Tables (one feature each).
+    #[arg(long, default_value_t = 26)]
+    pub num_sparse: usize,
+    /// Rows per table.
+    #[arg(long, default_value_t = 100_000)]
+    pub rows: u64,
+    /// Embedding dim.
+    #[arg(long, default_value_t = 64)]
+    pub dim: usize,
+    /// Ids per feature per example.
+    #[arg(long, default_value_t = 1)]
+    pub ids_per_feature: usize,
+    /// Dense arch layer sizes.
+    #[arg(long, value_delimiter = ',', default_value = "512,256,64")]
+    pub dense_arch: Vec<usize>,
+    /// Over arch layer sizes (last must be 1).
+    #[arg(long, value_delimiter = ',', default_value = "512,512,256,1")]
+    pub over_arch: Vec<usize>,
+    /// Examples per rank.
+    #[arg(long, default_value_t = 2048)]
+    pub batch: usize,
+    /// Timed steps per pipeline.
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Compute threads per rank (0 = all cores).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Offload every table behind a cache of this share of its rows.
+    #[arg(long)]
+    pub cache_load_factor: Option<f64>,
 }
 
 /// Sharding of `bench dist`.
@@ -755,6 +818,40 @@ pub fn main_with(registry: Registry) -> ExitCode {
             };
             bench_dist(&b, a.world_size)
         }
+        Command::Bench { which: BenchCommand::Pipeline(a) } => {
+            let b = trainrec_engine::bench_pipeline::PipelineBench {
+                dlrm: trainrec_engine::bench::DlrmBench {
+                    num_sparse: a.num_sparse,
+                    rows: a.rows,
+                    dim: a.dim,
+                    ids_per_feature: a.ids_per_feature,
+                    dense_arch: a.dense_arch,
+                    over_arch: a.over_arch,
+                    batch: a.batch,
+                    steps: a.steps,
+                    warmup: a.warmup,
+                    threads: a.threads,
+                    cache_load_factor: a.cache_load_factor,
+                    ..Default::default()
+                },
+                sharding: match a.sharding {
+                    DistShardingArg::TableWise => "table_wise",
+                    DistShardingArg::RowWise => "row_wise",
+                    DistShardingArg::ColumnWise => "column_wise",
+                }
+                .into(),
+                kinds: a
+                    .kinds
+                    .iter()
+                    .map(|k| match k {
+                        PipelineArg::Base => trainrec_recipe::PipelineKind::Base,
+                        PipelineArg::SparseDist => trainrec_recipe::PipelineKind::SparseDist,
+                        PipelineArg::PrefetchSparseDist => trainrec_recipe::PipelineKind::PrefetchSparseDist,
+                    })
+                    .collect(),
+            };
+            bench_pipeline(&b, a.world_size)
+        }
     }
 }
 
@@ -839,6 +936,30 @@ fn bench_dist(b: &trainrec_dist::bench::DistBench, world: usize) -> ExitCode {
         ));
     }
     print_bench(trainrec_dist::bench::run_threads(b, world))
+}
+
+/// `bench pipeline` on threads, or as this process's rank under `mpirun` (rank 0 prints).
+fn bench_pipeline(b: &trainrec_engine::bench_pipeline::PipelineBench, world: usize) -> ExitCode {
+    if trainrec_engine::dist::mpirun_world_size().is_some() {
+        #[cfg(feature = "mpi")]
+        {
+            let run = || -> Result<Option<String>, String> {
+                let pg =
+                    trainrec_dist::MpiGroup::init(std::time::Duration::from_secs(300)).map_err(|e| e.to_string())?;
+                trainrec_engine::bench_pipeline::run_rank(b, std::sync::Arc::new(pg))
+            };
+            return match run() {
+                Ok(Some(line)) => print_bench(Ok::<_, String>(line)),
+                Ok(None) => ExitCode::SUCCESS,
+                Err(e) => print_bench(Err::<String, _>(e)),
+            };
+        }
+        #[cfg(not(feature = "mpi"))]
+        return print_bench(Err::<String, _>(
+            "started by mpirun, but this trainrec binary has no MPI support: build it with --features mpi",
+        ));
+    }
+    print_bench(trainrec_engine::bench_pipeline::run_threads(b, world))
 }
 
 fn print_bench<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>) -> ExitCode {
