@@ -211,39 +211,23 @@ pub struct StepTimes {
 
 /// What a forward leaves for its backward (one per batch in flight).
 pub struct DistContext {
-    /// The forward's times.
-    times: StepTimes,
-    /// The rank's local lookups over the global batch (absent without local shards).
-    local_kjt: Option<KeyedJaggedTensor>,
-    /// Examples per rank, rank order.
-    batch_sizes: Vec<usize>,
+    /// The batch's input dist, its times now the whole forward's.
+    input: InputDist,
     /// `1 / ids` per (mean output, example); empty for sum outputs.
     mean_scale: Vec<Vec<f32>>,
     /// The data-parallel features of the local batch (expanded to the full batch).
     dp_kjt: Option<KeyedJaggedTensor>,
-    /// Per output: its bags on this rank (the batch, or a VBE key's distinct bags).
-    nbags: Vec<usize>,
-    /// Per output of a VBE batch: each sample's bag (`inverse_indices`).
-    sample_bag: Vec<Option<Vec<usize>>>,
-    /// `bags[j][s]`: bags of local route `j` from rank `s`.
-    /// `src_bags[s][o]`: bags of output `o` on rank `s`.
-    src_bags: Vec<Vec<usize>>,
-    bags: Vec<Vec<usize>>,
-    /// `off[j][s]`: where those bags start in the local batch.
-    off: Vec<Vec<usize>>,
-    /// Bags per key of the local batch (padded).
-    stride: usize,
 }
 
 impl DistContext {
     /// Examples per rank in this step, rank order (the global batch is their sum).
     pub fn batch_sizes(&self) -> &[usize] {
-        &self.batch_sizes
+        &self.input.batch_sizes
     }
 
     /// The forward's phase times and bytes.
     pub fn times(&self) -> StepTimes {
-        self.times
+        self.input.times
     }
 }
 
@@ -256,14 +240,23 @@ pub struct InputDist {
     keys: Vec<usize>,
     /// Examples of the batch.
     b: usize,
+    /// The times (and bytes) of the stages run so far.
     times: StepTimes,
+    /// The rank's local lookups over the global batch (absent without local shards).
     local_kjt: Option<KeyedJaggedTensor>,
+    /// Examples per rank, rank order.
     batch_sizes: Vec<usize>,
+    /// Per output: its bags on this rank (the batch, or a VBE key's distinct bags).
     nbags: Vec<usize>,
+    /// Per output of a VBE batch: each sample's bag (`inverse_indices`).
     sample_bag: Vec<Option<Vec<usize>>>,
+    /// `src_bags[s][o]`: bags of output `o` on rank `s`.
     src_bags: Vec<Vec<usize>>,
+    /// `bags[j][s]`: bags of local route `j` from rank `s`.
     bags: Vec<Vec<usize>>,
+    /// `off[j][s]`: where those bags start in the local batch.
     off: Vec<Vec<usize>>,
+    /// Bags per key of the local batch (padded).
     stride: usize,
 }
 
@@ -1122,20 +1115,9 @@ impl ShardedEbc {
         let me = self.pg.rank();
         let world = self.pg.world_size();
         let mine = &self.routes[me];
-        let InputDist {
-            shape: _,
-            keys,
-            b,
-            mut times,
-            local_kjt,
-            batch_sizes,
-            nbags,
-            sample_bag,
-            src_bags,
-            bags,
-            off,
-            stride,
-        } = staged;
+        let (keys, b, mut times, stride) = (&staged.keys, staged.b, staged.times, staged.stride);
+        let (local_kjt, nbags, sample_bag) = (&staged.local_kjt, &staged.nbags, &staged.sample_bag);
+        let (src_bags, bags, off) = (&staged.src_bags, &staged.bags, &staged.off);
 
         // Lookup.
         let clock = std::time::Instant::now();
@@ -1179,7 +1161,7 @@ impl ShardedEbc {
         let summed = if self.rs_width > 0 { self.pg.reduce_scatter_f32(&rs_in, &rs_counts)? } else { Vec::new() };
         // Two stages for the partial sums of row blocks on one host: within the host, to the
         // rank of each source's local rank, which adds them up; then to the source.
-        let stage = TwoStage { ebc: self, src_bags: &src_bags };
+        let stage = TwoStage { ebc: self, src_bags };
         let mut s1 = Vec::new();
         let mut s1_counts = vec![0usize; world];
         for (a, count) in s1_counts.iter_mut().enumerate() {
@@ -1204,7 +1186,7 @@ impl ShardedEbc {
             let r1 = self.pg.all_to_all_v(&s1, &s1_counts, &stage.held_counts(me))?;
             let agg = stage.sum_by_source(&r1);
             let (s2, s2_counts) = stage.to_sources(&agg);
-            let s2_recv: Vec<usize> = (0..world).map(|a| stage.floats_via(a, me, &nbags)).collect();
+            let s2_recv: Vec<usize> = (0..world).map(|a| stage.floats_via(a, me, nbags)).collect();
             let got = self.pg.all_to_all_v(&s2, &s2_counts, &s2_recv)?;
             times.output_bytes += 4 * (s1.len() + s2.len());
             got
@@ -1299,22 +1281,9 @@ impl ShardedEbc {
             }
             mean_scale[oi] = scale;
         }
-        Ok((
-            out,
-            DistContext {
-                times,
-                local_kjt,
-                batch_sizes,
-                mean_scale,
-                dp_kjt,
-                nbags,
-                sample_bag,
-                src_bags,
-                bags,
-                off,
-                stride,
-            },
-        ))
+        let mut input = staged;
+        input.times = times;
+        Ok((out, DistContext { input, mean_scale, dp_kjt }))
     }
 
     /// Backward fused with the optimizer, from the gradient of this rank's `[B, width]` output
@@ -1322,7 +1291,7 @@ impl ShardedEbc {
     /// Collective. Returns the whole step's phase times (the forward's and the backward's).
     pub fn backward_and_update(&mut self, ctx: DistContext, grad: &[f32]) -> Result<StepTimes, DistError> {
         let (world, me) = (self.pg.world_size(), self.pg.rank());
-        let b = ctx.batch_sizes[me];
+        let b = ctx.input.batch_sizes[me];
         let w = self.width;
         if grad.len() != b * w {
             return Err(DistError::Module(format!(
@@ -1330,17 +1299,17 @@ impl ShardedEbc {
                 grad.len()
             )));
         }
-        let mut times = ctx.times;
+        let mut times = ctx.input.times;
         let clock = std::time::Instant::now();
         // A route's gradient per bag here: the sum over the samples reading that bag (times
         // 1/ids for mean pooling), `[bags, shard width]`.
         let grad_cols = |output: usize, cols: Range<usize>, into: &mut Vec<f32>| {
             let (c, n) = (self.outputs[output].col + cols.start, cols.len());
             let start = into.len();
-            into.resize(start + ctx.nbags[output] * n, 0.0);
+            into.resize(start + ctx.input.nbags[output] * n, 0.0);
             let dst = &mut into[start..];
             for e in 0..b {
-                let bag = ctx.sample_bag[output].as_ref().map_or(e, |m| m[e]);
+                let bag = ctx.input.sample_bag[output].as_ref().map_or(e, |m| m[e]);
                 let scale = ctx.mean_scale[output].get(e).copied().unwrap_or(1.0);
                 for (x, g) in dst[bag * n..][..n].iter_mut().zip(&grad[e * w + c..][..n]) {
                     *x += g * scale;
@@ -1361,32 +1330,34 @@ impl ShardedEbc {
         }
         let mine = &self.routes[me];
         let lw = self.local_width[me];
-        let recv_counts: Vec<usize> =
-            (0..world).map(|s| self.a2a[me].iter().map(|&j| ctx.bags[j][s] * width_of(self, &mine[j])).sum()).collect();
+        let recv_counts: Vec<usize> = (0..world)
+            .map(|s| self.a2a[me].iter().map(|&j| ctx.input.bags[j][s] * width_of(self, &mine[j])).sum())
+            .collect();
         let recv = self.pg.all_to_all_v(&send, &send_counts, &recv_counts)?;
         let gathered = if self.rs_width > 0 {
             let mut local = Vec::new();
             for &j in &self.rs {
                 grad_of(&mine[j], &mut local);
             }
-            let counts: Vec<usize> =
-                (0..world).map(|s| self.rs.iter().map(|&j| ctx.bags[j][s] * width_of(self, &mine[j])).sum()).collect();
+            let counts: Vec<usize> = (0..world)
+                .map(|s| self.rs.iter().map(|&j| ctx.input.bags[j][s] * width_of(self, &mine[j])).sum())
+                .collect();
             self.pg.all_gather_v(&local, &counts)?
         } else {
             Vec::new()
         };
         // The local gradient `[stride, local width]`, in the local KJT's bag order.
-        let mut local_grad = vec![0f32; ctx.stride * lw];
+        let mut local_grad = vec![0f32; ctx.input.stride * lw];
         let mut put = |j: usize, s: usize, block: &[f32]| {
             let (c, n) = (self.route_cols[me][j], width_of(self, &mine[j]));
-            for (i, row) in (ctx.off[j][s]..ctx.off[j][s] + ctx.bags[j][s]).enumerate() {
+            for (i, row) in (ctx.input.off[j][s]..ctx.input.off[j][s] + ctx.input.bags[j][s]).enumerate() {
                 local_grad[row * lw + c..][..n].copy_from_slice(&block[i * n..][..n]);
             }
         };
         let mut at = 0;
         for s in 0..world {
             for &j in &self.a2a[me] {
-                let len = ctx.bags[j][s] * width_of(self, &mine[j]);
+                let len = ctx.input.bags[j][s] * width_of(self, &mine[j]);
                 put(j, s, &recv[at..at + len]);
                 at += len;
             }
@@ -1394,7 +1365,7 @@ impl ShardedEbc {
         let mut at = 0;
         for s in 0..world {
             for &j in &self.rs {
-                let len = ctx.bags[j][s] * width_of(self, &mine[j]);
+                let len = ctx.input.bags[j][s] * width_of(self, &mine[j]);
                 put(j, s, &gathered[at..at + len]);
                 at += len;
             }
@@ -1403,7 +1374,7 @@ impl ShardedEbc {
             // The partial sums' two stages backwards: each source's gradient to the rank of
             // its local rank on the partial's host, which hands it to every rank holding a
             // block of the partial.
-            let stage = TwoStage { ebc: self, src_bags: &ctx.src_bags };
+            let stage = TwoStage { ebc: self, src_bags: &ctx.input.src_bags };
             let mut s2 = Vec::new();
             let mut s2_counts = vec![0usize; world];
             for (a, count) in s2_counts.iter_mut().enumerate() {
@@ -1427,7 +1398,7 @@ impl ShardedEbc {
             let mut at = 0;
             for a in 0..world {
                 stage.for_each_held(me, a, |s, pi, js| {
-                    let len = ctx.src_bags[s][self.partials[pi].output] * self.partials[pi].cols.len();
+                    let len = ctx.input.src_bags[s][self.partials[pi].output] * self.partials[pi].cols.len();
                     for &j in js {
                         put(j, s, &r1[at..at + len]);
                     }
@@ -1437,7 +1408,7 @@ impl ShardedEbc {
         }
         times.grad_dist = clock.elapsed().as_secs_f64();
         let clock = std::time::Instant::now();
-        if let (Some(local), Some(k)) = (&mut self.local, &ctx.local_kjt) {
+        if let (Some(local), Some(k)) = (&mut self.local, &ctx.input.local_kjt) {
             local.backward_and_update(k, &local_grad).map_err(module)?;
         }
         times.update = clock.elapsed().as_secs_f64();
@@ -1456,8 +1427,8 @@ impl ShardedEbc {
             let sizes = self.pg.all_gather_u64(k.values().len() as u64)?;
             let vcounts: Vec<usize> = sizes.iter().map(|&n| n as usize).collect();
             let nkeys = k.keys().len();
-            let lcounts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * nkeys).collect();
-            let gcounts: Vec<usize> = ctx.batch_sizes.iter().map(|&bs| bs * dw).collect();
+            let lcounts: Vec<usize> = ctx.input.batch_sizes.iter().map(|&bs| bs * nkeys).collect();
+            let gcounts: Vec<usize> = ctx.input.batch_sizes.iter().map(|&bs| bs * dw).collect();
             let lengths = self.pg.all_gather_v(k.lengths(), &lcounts)?;
             let values = self.pg.all_gather_v(k.values(), &vcounts)?;
             let weights = match k.weights() {
@@ -1465,8 +1436,8 @@ impl ShardedEbc {
                 None => None,
             };
             let grads = self.pg.all_gather_v(&g, &gcounts)?;
-            let total: usize = ctx.batch_sizes.iter().sum();
-            let per_key = vec![ctx.batch_sizes.clone(); k.keys().len()];
+            let total: usize = ctx.input.batch_sizes.iter().sum();
+            let per_key = vec![ctx.input.batch_sizes.clone(); k.keys().len()];
             let global = merge_by_source(k.keys().to_vec(), &per_key, &lengths, &values, weights.as_deref(), total)?;
             times.grad_dist += clock.elapsed().as_secs_f64();
             let clock = std::time::Instant::now();

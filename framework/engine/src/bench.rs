@@ -514,27 +514,33 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
 }
 
 #[cfg(test)]
+impl DlrmBench {
+    /// A benchmark small enough for a unit test: 3 tables of 100 x 8, batch 32, 3 timed steps.
+    pub(crate) fn tiny() -> Self {
+        Self {
+            num_sparse: 3,
+            rows: 100,
+            dim: 8,
+            dense_arch: vec![16, 8],
+            over_arch: vec![16, 1],
+            batch: 32,
+            steps: 3,
+            warmup: 1,
+            num_batches: 2,
+            threads: 1,
+            ..Self::default()
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn a_tiny_bench_runs_both_modes() {
         for mode in [DlrmMode::Train, DlrmMode::Infer] {
-            let b = DlrmBench {
-                mode,
-                num_sparse: 3,
-                rows: 100,
-                dim: 8,
-                dense_arch: vec![16, 8],
-                over_arch: vec![16, 1],
-                batch: 32,
-                steps: 3,
-                warmup: 1,
-                num_batches: 2,
-                threads: 1,
-                profile: mode == DlrmMode::Train,
-                ..DlrmBench::default()
-            };
+            let b = DlrmBench { mode, profile: mode == DlrmMode::Train, ..DlrmBench::tiny() };
             let line = run(&b).unwrap();
             let v: Value = serde_json::from_str(&line).unwrap();
             assert_eq!(v["samples_per_s"]["n"], 3, "{line}");

@@ -183,20 +183,7 @@ mod tests {
     #[test]
     fn a_tiny_pipeline_bench_times_every_kind_on_two_ranks() {
         let b = PipelineBench {
-            dlrm: DlrmBench {
-                num_sparse: 3,
-                rows: 100,
-                dim: 8,
-                dense_arch: vec![16, 8],
-                over_arch: vec![16, 1],
-                batch: 32,
-                steps: 3,
-                warmup: 1,
-                num_batches: 2,
-                threads: 1,
-                cache_load_factor: Some(0.9),
-                ..DlrmBench::default()
-            },
+            dlrm: DlrmBench { cache_load_factor: Some(0.9), ..DlrmBench::tiny() },
             kinds: vec![PipelineKind::Base, PipelineKind::SparseDist, PipelineKind::PrefetchSparseDist],
             ..PipelineBench::default()
         };

@@ -436,6 +436,14 @@ impl Job {
         self.sync.as_ref().map(|s| &s.pg)
     }
 
+    /// Whether every rank has `has` (collective across ranks; this rank's alone otherwise).
+    fn all_ranks_have(&self, has: bool) -> Result<bool, EngineError> {
+        match &self.sync {
+            Some(sync) => sync.all_have(has),
+            None => Ok(has),
+        }
+    }
+
     /// The cumulative cache counters of the cached tables, by table.
     pub fn cache_stats_json(&self) -> serde_json::Value {
         serde_json::json!(self.sparse.cache_metric_values())
@@ -977,10 +985,7 @@ impl Job {
                         let next = batches.next().transpose()?;
                         // Across ranks the epoch ends for all when one rank's data ends (no
                         // rank waits in a collective the others never join).
-                        let go = match &self.sync {
-                            Some(sync) => sync.all_have(next.is_some())?,
-                            None => next.is_some(),
-                        };
+                        let go = self.all_ranks_have(next.is_some())?;
                         match next.filter(|_| go) {
                             Some(b) => b,
                             None => break,
@@ -999,10 +1004,7 @@ impl Job {
                         read_error = Some(e);
                         None
                     });
-                    let go = match &self.sync {
-                        Some(sync) => sync.all_have(next.is_some())?,
-                        None => next.is_some(),
-                    };
+                    let go = self.all_ranks_have(next.is_some())?;
                     ahead = next.filter(|_| go);
                     if ahead.is_none() && read_error.is_none() && !pipeline.execute_all_batches {
                         // TorchRec's `execute_all_batches=False`: the batch in flight when the

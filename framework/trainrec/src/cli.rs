@@ -239,27 +239,9 @@ pub struct PipelineArgs {
     /// How every table is sharded.
     #[arg(long, value_enum, default_value = "row-wise")]
     pub sharding: DistShardingArg,
-    /// Tables (one feature each).
-    #[arg(long, default_value_t = 26)]
-    pub num_sparse: usize,
-    /// Rows per table.
-    #[arg(long, default_value_t = 100_000)]
-    pub rows: u64,
-    /// Embedding dim.
-    #[arg(long, default_value_t = 64)]
-    pub dim: usize,
-    /// Ids per feature per example.
-    #[arg(long, default_value_t = 1)]
-    pub ids_per_feature: usize,
-    /// Dense arch layer sizes.
-    #[arg(long, value_delimiter = ',', default_value = "512,256,64")]
-    pub dense_arch: Vec<usize>,
-    /// Over arch layer sizes (last must be 1).
-    #[arg(long, value_delimiter = ',', default_value = "512,512,256,1")]
-    pub over_arch: Vec<usize>,
-    /// Examples per rank.
-    #[arg(long, default_value_t = 2048)]
-    pub batch: usize,
+    /// The model, tables and batch (`--batch`: examples per rank).
+    #[command(flatten)]
+    pub shape: W2Shape,
     /// Timed steps per pipeline.
     #[arg(long, default_value_t = 20)]
     pub steps: usize,
@@ -404,15 +386,10 @@ pub enum DlrmModeArg {
     Infer,
 }
 
-/// Flags of `trainrec bench dlrm` (those of `w2_dlrm.py`, same defaults).
+/// W2's model, tables and batch: the flags `bench dlrm` and `bench pipeline` share (those of
+/// `w2_dlrm.py`, same defaults).
 #[derive(Debug, clap::Args)]
-pub struct DlrmArgs {
-    /// Train or infer.
-    #[arg(long, value_enum, default_value_t = DlrmModeArg::Train)]
-    pub mode: DlrmModeArg,
-    /// Dense features per sample.
-    #[arg(long, default_value_t = 13)]
-    pub num_dense: usize,
+pub struct W2Shape {
     /// Sparse features (one table each).
     #[arg(long, default_value_t = 26)]
     pub num_sparse: usize,
@@ -431,9 +408,39 @@ pub struct DlrmArgs {
     /// Over-arch layer sizes, comma separated (the last is 1).
     #[arg(long, value_delimiter = ',', default_value = "512,512,256,1")]
     pub over_arch: Vec<usize>,
-    /// Samples per batch.
+    /// Samples per batch (per rank, for `bench pipeline`).
     #[arg(long, default_value_t = 2048)]
     pub batch: usize,
+}
+
+impl W2Shape {
+    /// These flags' fields of the benchmark; the rest are `DlrmBench`'s defaults.
+    fn bench(self) -> trainrec_engine::bench::DlrmBench {
+        trainrec_engine::bench::DlrmBench {
+            num_sparse: self.num_sparse,
+            rows: self.rows,
+            dim: self.dim,
+            ids_per_feature: self.ids_per_feature,
+            dense_arch: self.dense_arch,
+            over_arch: self.over_arch,
+            batch: self.batch,
+            ..Default::default()
+        }
+    }
+}
+
+/// Flags of `trainrec bench dlrm` (those of `w2_dlrm.py`, same defaults).
+#[derive(Debug, clap::Args)]
+pub struct DlrmArgs {
+    /// Train or infer.
+    #[arg(long, value_enum, default_value_t = DlrmModeArg::Train)]
+    pub mode: DlrmModeArg,
+    /// Dense features per sample.
+    #[arg(long, default_value_t = 13)]
+    pub num_dense: usize,
+    /// The model, tables and batch.
+    #[command(flatten)]
+    pub shape: W2Shape,
     /// Timed steps.
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
@@ -766,13 +773,6 @@ pub fn main_with(registry: Registry) -> ExitCode {
                     DlrmModeArg::Infer => trainrec_engine::bench::DlrmMode::Infer,
                 },
                 num_dense: a.num_dense,
-                num_sparse: a.num_sparse,
-                rows: a.rows,
-                dim: a.dim,
-                ids_per_feature: a.ids_per_feature,
-                dense_arch: a.dense_arch,
-                over_arch: a.over_arch,
-                batch: a.batch,
                 steps: a.steps,
                 warmup: a.warmup,
                 num_batches: a.num_batches,
@@ -785,6 +785,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 cache_load_factor: a.cache_load_factor,
                 offload_dir: a.offload_dir,
                 prefetch: a.prefetch,
+                ..a.shape.bench()
             };
             print_bench(trainrec_engine::bench::run(&bench))
         }
@@ -821,18 +822,11 @@ pub fn main_with(registry: Registry) -> ExitCode {
         Command::Bench { which: BenchCommand::Pipeline(a) } => {
             let b = trainrec_engine::bench_pipeline::PipelineBench {
                 dlrm: trainrec_engine::bench::DlrmBench {
-                    num_sparse: a.num_sparse,
-                    rows: a.rows,
-                    dim: a.dim,
-                    ids_per_feature: a.ids_per_feature,
-                    dense_arch: a.dense_arch,
-                    over_arch: a.over_arch,
-                    batch: a.batch,
                     steps: a.steps,
                     warmup: a.warmup,
                     threads: a.threads,
                     cache_load_factor: a.cache_load_factor,
-                    ..Default::default()
+                    ..a.shape.bench()
                 },
                 sharding: match a.sharding {
                     DistShardingArg::TableWise => "table_wise",
