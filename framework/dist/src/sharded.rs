@@ -300,6 +300,9 @@ pub struct ShardedEbc {
     partials: Vec<Partial>,
     /// `held[d]`: the partials rank `d` holds shards of, with its routes of each.
     held: Vec<Vec<(usize, Vec<usize>)>>,
+    /// Per table: `Some(block)` when its ids are routed by raw id (raw id `i` to shard
+    /// `i / block`, unchanged) for the shards to remap them ([`Self::route_raw_ids`]).
+    raw_blocks: Vec<Option<u64>>,
 }
 
 /// What every sharded collection derives from its tables and shardings on one rank.
@@ -443,11 +446,12 @@ pub(crate) fn initial_replica_weights(
 }
 
 /// The index in `kjt` of each output's input feature, after checking every id is inside its
-/// table.
+/// table (or, for a table routed by raw id, `raw_limit(table)`: inside the raw id space).
 pub(crate) fn resolve_inputs(
     kjt: &KeyedJaggedTensor,
     outputs: &[Output],
     tables: &[EmbeddingBagConfig],
+    raw_limit: impl Fn(usize) -> Option<u64>,
 ) -> Result<Vec<usize>, DistError> {
     let keys: Vec<usize> = outputs
         .iter()
@@ -458,10 +462,13 @@ pub(crate) fn resolve_inputs(
         })
         .collect::<Result<_, _>>()?;
     for (o, &k) in outputs.iter().zip(&keys) {
-        let rows = tables[o.table].rows;
-        if let Some(&id) = kjt.feature(k).values.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+        let (limit, what) = match raw_limit(o.table) {
+            Some(n) => (n, "raw ids"),
+            None => (tables[o.table].rows, "rows"),
+        };
+        if let Some(&id) = kjt.feature(k).values.iter().find(|&&id| id < 0 || id as u64 >= limit) {
             return Err(DistError::Module(format!(
-                "feature '{}': id {id} is outside table '{}' ({rows} rows)",
+                "feature '{}': id {id} is outside table '{}' ({limit} {what})",
                 o.input, tables[o.table].name
             )));
         }
@@ -824,6 +831,7 @@ impl ShardedEbc {
             )));
         }
         check_shardings(&tables, &shardings, world)?;
+        let n_tables = tables.len();
         let layout = Layout::new(&tables, &shardings, world, me);
         let expected = layout.expected_local_keys(&tables, me);
         let Layout { outputs, width: col, routes, local_tables, local_names, init, dp_tables, dp_outputs } = layout;
@@ -925,6 +933,7 @@ impl ShardedEbc {
             local_world: local_world_size,
             partials,
             held,
+            raw_blocks: vec![None; n_tables],
         })
     }
 
@@ -970,7 +979,9 @@ impl ShardedEbc {
             }
         };
         let b = inverse.map_or(kjt.stride(), |inv| inv.indices.first().map_or(0, Vec::len));
-        let keys = resolve_inputs(kjt, &self.outputs, &self.tables)?;
+        let keys = resolve_inputs(kjt, &self.outputs, &self.tables, |t| {
+            self.raw_blocks[t].map(|b| b.saturating_mul(self.shardings[t].shards.len() as u64))
+        })?;
         let weighted = kjt.weights().is_some();
         // Per output: its bags here (B, or the distinct bags of a VBE key) and each sample's bag.
         let nbags: Vec<usize> = keys.iter().map(|&k| kjt.feature(k).num_bags()).collect();
@@ -989,7 +1000,12 @@ impl ShardedEbc {
             for r in &self.routes[d] {
                 let f = kjt.feature(keys[r.output]);
                 let shard = &self.shardings[r.table].shards[r.shard];
-                if shard.rows.start == 0 && shard.rows.end == self.tables[r.table].rows {
+                let raw = self.raw_blocks[r.table];
+                let whole = match raw {
+                    Some(_) => self.shardings[r.table].shards.len() == 1,
+                    None => shard.rows.start == 0 && shard.rows.end == self.tables[r.table].rows,
+                };
+                if whole {
                     // Every id goes to this shard unchanged.
                     lengths.extend_from_slice(f.lengths);
                     values.extend_from_slice(f.values);
@@ -1003,8 +1019,12 @@ impl ShardedEbc {
                     let mut n = 0u32;
                     for pos in s..e {
                         let id = f.values[pos] as u64;
-                        if shard.rows.contains(&id) {
-                            values.push((id - shard.rows.start) as i64);
+                        let (mine, local) = match raw {
+                            Some(block) => (id / block == r.shard as u64, id),
+                            None => (shard.rows.contains(&id), id.wrapping_sub(shard.rows.start)),
+                        };
+                        if mine {
+                            values.push(local as i64);
                             if let Some(w) = f.weights {
                                 weights.push(w[pos]);
                             }
@@ -1085,6 +1105,51 @@ impl ShardedEbc {
             local.prefetch(k).map_err(module)?;
         }
         Ok(())
+    }
+
+    /// Routes table `name`'s ids by raw id instead of by row (`Some(block)`; `None` routes by
+    /// row again): raw id `i` goes, unchanged, to the rank of shard `i / block`, and the rank
+    /// must replace the ids [`Self::raw_ids_mut`] shows it by rows of that shard (local
+    /// numbering) before [`Self::forward_dist`]. This is the owner-rank remap of managed
+    /// collisions: each shard's module owns a block of the raw id space and of the rows, so
+    /// one input dist carries each id to the module that remaps it and the shard that looks
+    /// it up. Every shard must hold whole rows (all columns); the input dist refuses
+    /// ids at or past `block * shards`. Every rank must route the same tables alike.
+    pub fn route_raw_ids(&mut self, name: &str, block: Option<u64>) -> Result<(), DistError> {
+        let ti = parts!(self).index(name)?;
+        let (t, s) = (&self.tables[ti], &self.shardings[ti]);
+        if block.is_some() {
+            if s.sharding_type == ShardingType::DataParallel || s.shards.is_empty() {
+                return Err(DistError::Module(format!("table {name}: a data-parallel table has no shard to remap on")));
+            }
+            if let Some(sh) = s.shards.iter().find(|sh| sh.cols != (0..t.dim)) {
+                return Err(DistError::Module(format!(
+                    "table {name}: its shard on rank {} holds columns {:?} of {}: routing by raw id needs whole rows",
+                    sh.rank, sh.cols, t.dim
+                )));
+            }
+        }
+        if block == Some(0) {
+            return Err(DistError::Module(format!("table {name}: a raw id block of 0 ids")));
+        }
+        self.raw_blocks[ti] = block;
+        Ok(())
+    }
+
+    /// The ids `staged` brought to this rank for the tables routed by raw id
+    /// ([`Self::route_raw_ids`]), still raw: `(table, shard, ids)` per feature of each such
+    /// shard held here (an empty slice when no id came). Replace them by the shard's local
+    /// rows before [`Self::forward_dist`].
+    pub fn raw_ids_mut<'a>(&self, staged: &'a mut InputDist) -> Vec<(String, usize, &'a mut [i64])> {
+        let Some(local) = staged.local_kjt.as_mut() else { return Vec::new() };
+        let mine = &self.routes[self.pg.rank()];
+        local
+            .values_per_key_mut()
+            .into_iter()
+            .zip(mine)
+            .filter(|(_, r)| self.raw_blocks[r.table].is_some())
+            .map(|(ids, r)| (self.tables[r.table].name.clone(), r.shard, ids))
+            .collect()
     }
 
     /// Unpins rows prefetched for batches that will not be trained.

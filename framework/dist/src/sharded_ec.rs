@@ -138,7 +138,7 @@ impl ShardedEc {
         } else {
             kjt
         };
-        let keys = resolve_inputs(kjt, &self.outputs, &self.tables)?;
+        let keys = resolve_inputs(kjt, &self.outputs, &self.tables, |_| None)?;
         let ids: Vec<usize> = keys.iter().map(|&k| kjt.feature(k).values.len()).collect();
         let mut times = StepTimes::default();
         let clock = std::time::Instant::now();
