@@ -218,6 +218,8 @@ struct Trained {
     loss: (f64, f64),
     eval: std::collections::BTreeMap<String, f64>,
     steps: u64,
+    /// Rank 0's managed-collision statistics (of the partitions it runs).
+    mc: std::collections::BTreeMap<String, trainrec::embedding::mc::McStats>,
 }
 
 fn train(world: usize, sharding: &str, dedup: bool) -> Trained {
@@ -257,7 +259,14 @@ fn train_path(world: usize, path: &Path, overrides: &[&str], resume: Option<&Pat
             cells += if e.replicated { 0 } else { e.data.len() };
         }
         assert!(cells > 0 || world > 1, "one rank holds every cell");
-        Trained { dense: job.dense_parameters(), tables, loss: s.train_loss, eval: s.eval, steps: s.steps }
+        Trained {
+            dense: job.dense_parameters(),
+            tables,
+            loss: s.train_loss,
+            eval: s.eval,
+            steps: s.steps,
+            mc: job.mc_stats(),
+        }
     };
     if world == 1 {
         return finish(Job::build(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}")));
@@ -313,12 +322,21 @@ fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
 #[test]
 fn managed_collisions_across_ranks_train_like_one_rank() {
     for sharding in ["row_wise", "column_wise", "data_parallel"] {
-        let one = train_full(1, sharding, false, true, &[]);
         let plain = train(1, sharding, false);
-        assert_ne!(one.tables[0], plain.tables[0], "managed collisions change what table ta learns");
         for world in [2, 3] {
+            // Row-wise, each rank remaps the ids of its own block: `world` partitions, which
+            // one rank runs too when told to. The others run one module on every rank.
+            let split = format!("tables[0].mc.partitions={world}");
+            let overrides: &[&str] = if sharding == "row_wise" { &[&split] } else { &[] };
+            let one = train_full(1, sharding, false, true, overrides);
+            assert_ne!(one.tables[0], plain.tables[0], "managed collisions change what table ta learns");
             let many = train_full(world, sharding, false, true, &[]);
             let what = format!("{sharding} with managed collisions on {world} ranks");
+            // 40 rows: one module tracks 39 ids; under the owner-rank remap rank 0 runs only
+            // its block's module (rows 0..20 or 0..14, its last row reserved).
+            let capacity = if sharding == "row_wise" { 40u64.div_ceil(world as u64) - 1 } else { 39 };
+            assert_eq!(many.mc["ta"].capacity, capacity, "{what}: rank 0's slots");
+            assert_eq!(one.mc["ta"].capacity, 40 - if sharding == "row_wise" { world as u64 } else { 1 }, "{what}");
             assert!((many.loss.0 - one.loss.0).abs() < 1e-4, "{what}: {:?} vs {:?}", many.loss, one.loss);
             for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
                 close(&format!("{what}: table {t}"), a, b);
@@ -333,8 +351,13 @@ fn managed_collisions_across_ranks_train_like_one_rank() {
 /// The test recipe on `world` ranks with table `ta` sharded `sharding`, trained for `steps`
 /// (checkpointing every `every`) with row-wise Adagrad, into run directory `out`.
 fn checkpoint_recipe(world: usize, sharding: &str, steps: u64, every: Option<u64>, out: &Path) -> PathBuf {
+    checkpoint_recipe_mc(world, sharding, steps, every, out, false)
+}
+
+/// [`checkpoint_recipe`], with managed collisions on `ta` when `mc`.
+fn checkpoint_recipe_mc(world: usize, sharding: &str, steps: u64, every: Option<u64>, out: &Path, mc: bool) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("trainrec-dist-{}", std::process::id()));
-    let path = recipe(&dir, world, sharding, false, false);
+    let path = recipe(&dir, world, sharding, false, mc);
     let every = every.map_or(String::new(), |n| format!("checkpoint_every = {n}\n"));
     let text = std::fs::read_to_string(&path)
         .unwrap()
@@ -347,7 +370,7 @@ fn checkpoint_recipe(world: usize, sharding: &str, steps: u64, every: Option<u64
         )
         .collect::<Vec<_>>()
         .join("\n");
-    let path = dir.join(format!("ck-{world}-{sharding}-{steps}.toml"));
+    let path = dir.join(format!("ck-{world}-{sharding}-{steps}-{mc}.toml"));
     write_atomic(&path, &text);
     path
 }
@@ -404,6 +427,49 @@ fn checkpoints_reshard_between_world_sizes_and_sharding_types() {
             for (name, v) in &through.dense {
                 close(&format!("{what}: resumed dense {name}"), &resumed.dense[name], v);
             }
+        }
+    }
+}
+
+#[test]
+fn owner_remapped_managed_collisions_resume_on_other_world_sizes() {
+    let out = std::env::temp_dir().join(format!("trainrec-dist-ck-mc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    // Two row-wise ranks: each remaps its own block (2 partitions), and saves its module.
+    let saved = train_path(2, &checkpoint_recipe_mc(2, "row_wise", 6, Some(6), &out, true), &[], None);
+    assert_eq!(saved.mc["ta"].capacity, 19, "rank 0 runs partition 0 only");
+    let ck = trainrec::engine::checkpoint::latest(&out.join("checkpoints")).unwrap().expect("a checkpoint");
+    // The export places each partition's ids in its rows: raw ids 0..100 in rows 0..20 (row
+    // 19 reserved), 100..200 in rows 20..40 (row 39 reserved).
+    let file = out.join("model.safetensors");
+    trainrec::engine::export::export(&ck, &file).unwrap_or_else(|e| panic!("{e}"));
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let v = st.tensor("managed_collisions.ta.ids").unwrap();
+    let ids: Vec<i64> = v.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(ids.len(), 40);
+    assert_eq!((ids[19], ids[39]), (-1, -1), "reserved rows");
+    let tracked: Vec<(usize, i64)> = ids.iter().copied().enumerate().filter(|&(_, id)| id >= 0).collect();
+    assert!(tracked.iter().any(|&(r, _)| r < 20) && tracked.iter().any(|&(r, _)| r >= 20), "{ids:?}");
+    for (r, id) in tracked {
+        assert_eq!(r < 20, id < 100, "row {r} holds raw id {id}");
+    }
+    // Resumed on one rank and on three (blocks of 14 rows: not the partitions', so every rank
+    // runs both modules), training goes on as on two.
+    let through = train_path(2, &checkpoint_recipe_mc(2, "row_wise", 10, None, &out.join("through"), true), &[], None);
+    for to in [1, 3] {
+        let resumed = train_path(to, &checkpoint_recipe_mc(to, "row_wise", 10, None, &out, true), &[], Some(&ck));
+        let what = format!("2 row-wise ranks with managed collisions resumed on {to}");
+        assert_eq!(resumed.steps, 10, "{what}");
+        assert_eq!(resumed.mc["ta"].capacity, 38, "{what}: both partitions run on rank 0");
+        for (t, (a, b)) in resumed.tables.iter().zip(&through.tables).enumerate() {
+            close(&format!("{what}: table {t}"), a, b);
+        }
+        for (name, v) in &through.dense {
+            close(&format!("{what}: dense {name}"), &resumed.dense[name], v);
+        }
+        for (k, v) in &through.eval {
+            assert!((resumed.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", resumed.eval[k]);
         }
     }
 }

@@ -60,6 +60,66 @@ pub struct McConfig {
     pub eviction_interval: u64,
 }
 
+/// One of the independent modules a table's managed collisions are split into
+/// ([`McConfig::partitions`]): the ids of its block of the raw id space, remapped into its
+/// block of rows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct McPartition {
+    /// Its raw ids.
+    pub raw: std::ops::Range<u64>,
+    /// Its rows of the table (the module's row `r` is the table's row `rows.start + r`).
+    pub rows: std::ops::Range<u64>,
+    /// The module's settings: its rows, slots and raw id space.
+    pub config: McConfig,
+}
+
+/// Blocks of `ceil(n / parts)` (the last ones smaller, maybe empty): block `i` of `0..n`.
+fn block(n: u64, parts: u64, i: u64) -> std::ops::Range<u64> {
+    let b = n.div_ceil(parts).max(1);
+    (i * b).min(n)..((i + 1) * b).min(n)
+}
+
+impl McConfig {
+    /// The table's managed collisions split into `n` independent modules (TorchRec's one
+    /// module per row-wise shard): module `i` takes the raw ids of block `i` of
+    /// `ceil(input_hash_size / n)` ids and owns block `i` of `ceil(rows / n)` rows (the
+    /// row-wise shards' blocks), of which the last `ceil((rows - zch_size) / n)` (fewer in
+    /// the last blocks) are its residual rows; without residual rows it keeps its last row
+    /// for its untracked ids. `n = 1` is the table itself. `Err` says which module does not
+    /// fit.
+    pub fn partitions(&self, n: u64) -> Result<Vec<McPartition>, String> {
+        if n == 0 {
+            return Err("partitions must be at least 1".into());
+        }
+        let residual = self.rows.saturating_sub(self.zch_size);
+        (0..n)
+            .map(|i| {
+                let (raw, rows, res) =
+                    (block(self.input_hash_size, n, i), block(self.rows, n, i), block(residual, n, i));
+                if raw.is_empty() || rows.is_empty() {
+                    return Err(format!(
+                        "{n} partitions leave partition {i} without {} (input_hash_size {}, rows {})",
+                        if raw.is_empty() { "raw ids" } else { "rows" },
+                        self.input_hash_size,
+                        self.rows
+                    ));
+                }
+                let own = rows.end - rows.start;
+                let zch_size = own.saturating_sub(res.end - res.start);
+                let config = McConfig {
+                    rows: own,
+                    zch_size,
+                    input_hash_size: self.input_hash_size,
+                    policy: self.policy,
+                    eviction_interval: self.eviction_interval,
+                };
+                ManagedCollision::check(&config).map_err(|m| format!("partition {i} of {n} (rows {rows:?}): {m}"))?;
+                Ok(McPartition { raw, rows, config })
+            })
+            .collect()
+    }
+}
+
 /// What the module did so far and in the last window.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct McStats {
@@ -298,6 +358,22 @@ pub struct McState {
 impl ManagedCollision {
     /// An empty module; `Err` names the setting that is out of range.
     pub fn new(config: McConfig) -> Result<Self, String> {
+        Self::check(&config)?;
+        let slots = Self::capacity_of(&config) as usize;
+        let stats = McStats { capacity: slots as u64, ..McStats::default() };
+        Ok(Self {
+            config,
+            slot_of: IdTable::new(slots)?,
+            ids: vec![EMPTY; slots],
+            last_access: vec![0; slots],
+            window: IdMap::default(),
+            step: 0,
+            stats,
+        })
+    }
+
+    /// `Err` names the setting of `config` that is out of range.
+    fn check(config: &McConfig) -> Result<(), String> {
         if config.zch_size == 0 || config.zch_size > config.rows {
             return Err(format!("zch_size = {} must be in 1..={} (the table's rows)", config.zch_size, config.rows));
         }
@@ -318,17 +394,7 @@ impl ManagedCollision {
                 return Err(format!("decay_exponent = {decay_exponent} must be a positive number"));
             }
         }
-        let slots = Self::capacity_of(&config) as usize;
-        let stats = McStats { capacity: slots as u64, ..McStats::default() };
-        Ok(Self {
-            config,
-            slot_of: IdTable::new(slots)?,
-            ids: vec![EMPTY; slots],
-            last_access: vec![0; slots],
-            window: IdMap::default(),
-            step: 0,
-            stats,
-        })
+        Ok(())
     }
 
     fn capacity_of(c: &McConfig) -> u64 {
@@ -572,6 +638,39 @@ mod tests {
         let mut v = ids.to_vec();
         let reset = m.train_step(&mut [&mut v[..]]);
         (v, reset)
+    }
+
+    #[test]
+    fn partitions_split_raw_ids_rows_and_residual_rows_in_blocks() {
+        let c = |rows, zch, ihs| McConfig {
+            rows,
+            zch_size: zch,
+            input_hash_size: ihs,
+            policy: EvictionPolicy::Lfu,
+            eviction_interval: 3,
+        };
+        let whole = c(40, 40, 200);
+        let one = whole.partitions(1).unwrap();
+        assert_eq!(one, [McPartition { raw: 0..200, rows: 0..40, config: whole.clone() }]);
+        // 40 rows in blocks of 14 (ShardedEbc's row-wise blocks), raw ids in blocks of 67; no
+        // residual rows, so each keeps its last row for its untracked ids.
+        let three = whole.partitions(3).unwrap();
+        let got: Vec<_> =
+            three.iter().map(|p| (p.raw.clone(), p.rows.clone(), p.config.rows, p.config.zch_size)).collect();
+        assert_eq!(got, [(0..67, 0..14, 14, 14), (67..134, 14..28, 14, 14), (134..200, 28..40, 12, 12)]);
+        assert!(three.iter().all(|p| p.config.input_hash_size == 200 && p.config.eviction_interval == 3));
+        // 3 residual rows: blocks of 2, so 2 + 1 of them.
+        let res: Vec<_> =
+            c(10, 7, 50).partitions(2).unwrap().iter().map(|p| (p.rows.clone(), p.config.zch_size)).collect();
+        assert_eq!(res, [(0..5, 3), (5..10, 4)]);
+        // Partitions that do not fit are named.
+        let e = c(4, 4, 100).partitions(3).unwrap_err();
+        assert!(e.contains("partition 2") && e.contains("without rows"), "{e}");
+        let e = c(40, 40, 2).partitions(3).unwrap_err();
+        assert!(e.contains("without raw ids"), "{e}");
+        let e = c(3, 3, 100).partitions(3).unwrap_err();
+        assert!(e.contains("partition 0 of 3") && e.contains("one row"), "{e}");
+        assert!(whole.partitions(0).is_err());
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //!   `EmbeddingBagCollection.state_dict()` names it;
 //! - `dense.<variable>`: the dense model's variables, by their VarStore names;
 //! - `managed_collisions.<table>.ids`: for a managed-collision table, the raw id each row
-//!   holds (`-1`: none), to remap raw ids at serving.
+//!   holds (`-1`: none; `[rows]`, every partition's slots in place), to remap raw ids at
+//!   serving.
 //!
 //! The file's metadata holds the resolved recipe (`recipe`) and the step (`step`).
 
@@ -45,6 +46,7 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
         tensors.push((format!("embedding_bags.{name}.weight"), TensorData::f32(shape.to_vec(), &whole.weights)));
     }
     let mut dense = 0;
+    let mut mc_ids: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for (name, t) in &ck.manifest.tensors {
         let shape = t.shape.clone();
         if name.starts_with("dense.") {
@@ -54,9 +56,21 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
             };
             tensors.push((name.clone(), data));
             dense += 1;
-        } else if let Some(table) = name.strip_prefix("mc.").and_then(|n| n.strip_suffix(".ids")) {
-            tensors.push((format!("managed_collisions.{table}.ids"), TensorData::i64(shape, &ck.i64(name)?.1)));
+        } else if let Some(prefix) = name.strip_suffix(".ids").filter(|n| n.starts_with("mc.")) {
+            // One partition's slots: slot `s` is row `first_row + s` of the table.
+            let table = prefix["mc.".len()..].rsplit_once(".part").map_or(&prefix["mc.".len()..], |(t, _)| t);
+            let first_row = ck.u64s(&format!("{prefix}.meta"))?.get(6).copied().unwrap_or(0) as usize;
+            let rows = tables.get(table).map_or(0, |s| s[0]);
+            let ids = mc_ids.entry(table.to_string()).or_insert_with(|| vec![-1; rows]);
+            for (s, &id) in ck.i64(name)?.1.iter().enumerate() {
+                if let Some(slot) = ids.get_mut(first_row + s) {
+                    *slot = id;
+                }
+            }
         }
+    }
+    for (table, ids) in mc_ids {
+        tensors.push((format!("managed_collisions.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
     }
     let metadata = std::collections::HashMap::from([
         ("recipe".to_string(), ck.manifest.recipe.clone()),

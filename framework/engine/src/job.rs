@@ -346,7 +346,9 @@ impl Job {
         let retrieval =
             retrieval_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
-        let mc = crate::mc::McTables::new(&recipe)?;
+        let mut mc = crate::mc::McTables::new(&recipe, &plan)?;
+        let mut sparse = sparse;
+        mc.attach(&mut sparse, &recipe, &plan)?;
         Ok(Self {
             recipe,
             resolved_toml,
@@ -478,7 +480,19 @@ impl Job {
             remapped = b;
             &remapped
         };
-        let staged = self.staged.take();
+        let mut staged = self.staged.take();
+        if self.mc.has_owner_remap() {
+            // The owner-rank remap: the input dist brings each raw id to its block's rank,
+            // which counts and remaps it (managed-collision jobs run the base pipeline).
+            let SparseArch::Sharded(s) = &mut self.sparse else {
+                return Err(EngineError::Internal("the owner-rank remap needs sharded tables".into()));
+            };
+            let mut st = s.input_dist(&batch.sparse)?;
+            for (table, rows, key) in self.mc.train_owned(s, &mut st) {
+                s.reset_rows(&table, &rows, key)?;
+            }
+            staged = Some(st);
+        }
         let (dense, sparse, labels, ctx) = self.tensors(batch, staged)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = crate::dist::full_batch(&batch.sparse)?;
@@ -674,7 +688,15 @@ impl Job {
                 self.mc.eval(&mut b.sparse)?;
                 b
             };
-            let (dense, sparse, labels, _) = self.tensors(&batch, None)?;
+            let staged = match &self.sparse {
+                SparseArch::Sharded(s) if self.mc.has_owner_remap() => {
+                    let mut st = s.input_dist(&batch.sparse)?;
+                    self.mc.eval_owned(s, &mut st);
+                    Some(st)
+                }
+                _ => None,
+            };
+            let (dense, sparse, labels, _) = self.tensors(&batch, staged)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
@@ -731,7 +753,9 @@ impl Job {
         out
     }
 
-    /// Each managed-collision table's statistics (the same on every rank).
+    /// Each managed-collision table's statistics over the partitions this rank runs (every
+    /// partition, the same on every rank, unless the table is remapped on its owning ranks;
+    /// the metrics' `mc/*` values sum every rank's).
     pub fn mc_stats(&self) -> BTreeMap<String, trainrec_embedding::mc::McStats> {
         self.mc.stats()
     }
@@ -1042,7 +1066,7 @@ impl Job {
                     }
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
-                    values.extend(self.mc.metric_values());
+                    values.extend(self.mc.metric_values(self.sync.as_ref().map(|s| s.pg.as_ref()))?);
                     values.extend(self.sparse.cache_metric_values());
                     train_values.extend(values);
                 }

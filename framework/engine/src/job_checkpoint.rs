@@ -6,8 +6,10 @@
 //!   of every table (data-parallel replicas once);
 //! - `dense.<variable>`: the dense model's variables (VarStore names);
 //! - `dense_opt.<name>`: the dense optimizer's state;
-//! - `mc.<table>.<ids|counts|last_access|window_ids|window_counts|window_last>`: managed
-//!   collisions;
+//! - `mc.<table>.<ids|counts|last_access|window_ids|window_counts|window_last|meta>`: managed
+//!   collisions (`mc.<table>.part<i>.*` per partition of a table split in more than one;
+//!   `meta`: step, lookups, fallbacks, last evictions, last admissions, evictions and the
+//!   partition's first row), saved by the rank that runs the partition;
 //! - `metrics.train.<task>.<metric>.<array>`: the training metrics' windows and sums.
 //!
 //! The rest (the loop's position, the running loss, statistics) is JSON in the manifest's
@@ -71,12 +73,14 @@ impl Progress {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct McRecord {
     table: String,
-    step: u64,
-    lookups: u64,
-    fallbacks: u64,
-    last_evictions: u64,
-    last_admissions: u64,
-    evictions: u64,
+    /// Its partitions (each part's state and statistics are tensors).
+    partitions: usize,
+}
+
+/// The checkpoint name prefix of part `part` of `partitions` of managed-collision table
+/// `table`: `mc.<table>` for one part, `mc.<table>.part<i>` for more.
+fn mc_prefix(table: &str, part: usize, partitions: usize) -> String {
+    if partitions == 1 { format!("mc.{table}") } else { format!("mc.{table}.part{part}") }
 }
 
 /// The manifest's `state`.
@@ -171,17 +175,12 @@ impl Job {
         let lead = pg.is_none_or(|g| g.rank() == 0);
         let mut contents = Contents { tensors: Vec::new(), shards: Vec::new() };
         contents.add_shards(self.sparse.local_shards(), |t| self.state_layout(t), lead);
-        let header = if lead {
-            let vars: BTreeMap<String, Tensor> = self.vs.variables().into_iter().collect();
-            for (name, t) in &vars {
-                contents.tensors.push((format!("dense.{name}"), tensor_data(name, t)?));
-            }
-            for (name, t) in self.dense_opt.state() {
-                contents.tensors.push((format!("dense_opt.{name}"), tensor_data(&name, &t)?));
-            }
-            let mut mc = Vec::new();
-            for (table, s) in self.mc.states() {
-                let p = format!("mc.{table}");
+        // Managed collisions: every part once, saved by the rank that runs it (the lead for
+        // replicated tables).
+        let mc_states = self.mc.states(lead);
+        for (table, partitions, parts) in &mc_states {
+            for ps in parts {
+                let (p, s) = (mc_prefix(table, ps.part, *partitions), &ps.state);
                 contents.tensors.push((format!("{p}.ids"), TensorData::i64(vec![s.ids.len()], &s.ids)));
                 contents.tensors.push((format!("{p}.counts"), TensorData::u64s(&s.counts)));
                 contents.tensors.push((format!("{p}.last_access"), TensorData::u64s(&s.last_access)));
@@ -191,16 +190,31 @@ impl Job {
                 contents.tensors.push((format!("{p}.window_ids"), TensorData::i64(vec![ids.len()], &ids)));
                 contents.tensors.push((format!("{p}.window_counts"), TensorData::u64s(&counts)));
                 contents.tensors.push((format!("{p}.window_last"), TensorData::u64s(&last)));
-                mc.push(McRecord {
-                    table,
-                    step: s.step,
-                    lookups: s.stats.lookups,
-                    fallbacks: s.stats.fallbacks,
-                    last_evictions: s.stats.last_evictions,
-                    last_admissions: s.stats.last_admissions,
-                    evictions: s.stats.evictions,
-                });
+                let st = &s.stats;
+                let meta = [
+                    s.step,
+                    st.lookups,
+                    st.fallbacks,
+                    st.last_evictions,
+                    st.last_admissions,
+                    st.evictions,
+                    ps.first_row,
+                ];
+                contents.tensors.push((format!("{p}.meta"), TensorData::u64s(&meta)));
             }
+        }
+        let header = if lead {
+            let vars: BTreeMap<String, Tensor> = self.vs.variables().into_iter().collect();
+            for (name, t) in &vars {
+                contents.tensors.push((format!("dense.{name}"), tensor_data(name, t)?));
+            }
+            for (name, t) in self.dense_opt.state() {
+                contents.tensors.push((format!("dense_opt.{name}"), tensor_data(&name, &t)?));
+            }
+            let mc: Vec<McRecord> = mc_states
+                .iter()
+                .map(|(table, partitions, _)| McRecord { table: table.clone(), partitions: *partitions })
+                .collect();
             let states = train_suites.map(|suites| suites.iter().map(MetricSuite::state).collect::<Option<Vec<_>>>());
             let train_metrics = match states {
                 Some(Some(per_task)) => {
@@ -311,38 +325,13 @@ impl Job {
             return Err(incompatible(ck, format!("managed-collision tables {saved:?} there, {names:?} in the job")));
         }
         for m in &state.mc {
-            let p = format!("mc.{}", m.table);
-            let window_ids = ck.i64(&format!("{p}.window_ids"))?.1;
-            let window_counts = ck.u64s(&format!("{p}.window_counts"))?;
-            let window_last = ck.u64s(&format!("{p}.window_last"))?;
-            if window_ids.len() != window_counts.len() || window_ids.len() != window_last.len() {
-                return Err(incompatible(
-                    ck,
-                    format!("table {}: managed-collision window arrays differ in length", m.table),
-                ));
+            self.mc.set_partitions(&m.table, m.partitions)?;
+            for part in 0..m.partitions {
+                let s = read_mc_part(ck, &mc_prefix(&m.table, part, m.partitions), &m.table)?;
+                self.mc.set_state(&m.table, part, &s)?;
             }
-            let s = McState {
-                ids: ck.i64(&format!("{p}.ids"))?.1,
-                counts: ck.u64s(&format!("{p}.counts"))?,
-                last_access: ck.u64s(&format!("{p}.last_access"))?,
-                step: m.step,
-                window: window_ids
-                    .into_iter()
-                    .zip(window_counts)
-                    .zip(window_last)
-                    .map(|((a, b), c)| (a, b, c))
-                    .collect(),
-                stats: McStats {
-                    lookups: m.lookups,
-                    fallbacks: m.fallbacks,
-                    last_evictions: m.last_evictions,
-                    last_admissions: m.last_admissions,
-                    evictions: m.evictions,
-                    ..Default::default()
-                },
-            };
-            self.mc.set_state(&m.table, &s)?;
         }
+        self.mc.attach(&mut self.sparse, &self.recipe, &self.plan)?;
 
         // Training metrics.
         match (train_suites, &state.train_metrics) {
@@ -416,5 +405,27 @@ pub(super) fn truncate_metrics(dir: &Path, step: u64) -> Result<(), EngineError>
     })?;
     keep(&dir.join("metrics.csv"), &|l| {
         l.starts_with("step,") || l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= step)
+    })
+}
+
+/// The state of one managed-collision part (tensors `<prefix>.*`) of table `table`.
+fn read_mc_part(ck: &Checkpoint, p: &str, table: &str) -> Result<McState, EngineError> {
+    let window_ids = ck.i64(&format!("{p}.window_ids"))?.1;
+    let window_counts = ck.u64s(&format!("{p}.window_counts"))?;
+    let window_last = ck.u64s(&format!("{p}.window_last"))?;
+    if window_ids.len() != window_counts.len() || window_ids.len() != window_last.len() {
+        return Err(incompatible(ck, format!("table {table}: managed-collision window arrays differ in length")));
+    }
+    let meta = ck.u64s(&format!("{p}.meta"))?;
+    let &[step, lookups, fallbacks, last_evictions, last_admissions, evictions, _first_row] = meta.as_slice() else {
+        return Err(incompatible(ck, format!("table {table}: {p}.meta holds {} values, not 7", meta.len())));
+    };
+    Ok(McState {
+        ids: ck.i64(&format!("{p}.ids"))?.1,
+        counts: ck.u64s(&format!("{p}.counts"))?,
+        last_access: ck.u64s(&format!("{p}.last_access"))?,
+        step,
+        window: window_ids.into_iter().zip(window_counts).zip(window_last).map(|((a, b), c)| (a, b, c)).collect(),
+        stats: McStats { lookups, fallbacks, last_evictions, last_admissions, evictions, ..Default::default() },
     })
 }

@@ -1,22 +1,59 @@
 //! A job's managed-collision tables (`[tables.mc]`): raw ids remapped to rows before the
 //! embedding lookup, profiled on training batches, and the rows of slots that change hands
 //! re-initialised (see [`trainrec_embedding::mc`]).
+//!
+//! A table's managed collisions are split into `partitions` independent modules
+//! ([`McConfig::partitions`]), each owning a block of the raw id space and a block of rows.
+//! Two ways to run them, chosen per table from the plan:
+//! - **Owner-rank remap**: when the table is sharded in the partitions' row blocks (row-wise
+//!   or table-row-wise, one block per partition), the input dist routes each raw id to the
+//!   rank of its block ([`ShardedEbc::route_raw_ids`]) and that rank's module counts and
+//!   remaps it into its shard's rows. No rank sees another's ids or holds another's module
+//!   state, as TorchRec's sharded managed-collision modules.
+//! - **Replicated**: otherwise (one rank, column-wise, data-parallel, or shards that are not
+//!   the partitions' blocks) every rank counts the ids of the global batch in every module,
+//!   so the modules stay the same on every rank, and remaps its own ids before the input dist.
+//!
+//! Both train the same model: a run resumed on another number of ranks keeps its partitions.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
-use trainrec_dist::{ProcessGroup, ProcessGroupExt};
+use trainrec_dist::{InputDist, ProcessGroup, ProcessGroupExt, ShardedEbc, TableSharding};
 use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig, McState, McStats};
+use trainrec_planner::{Plan, ShardingType};
 use trainrec_recipe::{FeatureRef, McPolicy, Recipe};
 use trainrec_sparse::KeyedJaggedTensor;
 
+use crate::dist::SparseArch;
 use crate::error::EngineError;
+
+/// One module of a table.
+struct Part {
+    /// Its raw ids.
+    raw: Range<u64>,
+    /// Its rows of the table.
+    rows: Range<u64>,
+    module: ManagedCollision,
+    /// Whether this rank runs it (every part when replicated; the parts of the shards held
+    /// here under the owner-rank remap).
+    here: bool,
+}
 
 struct McTable {
     name: String,
     /// The input features it reads.
     keys: Vec<String>,
-    module: ManagedCollision,
+    config: McConfig,
+    parts: Vec<Part>,
+    /// Raw ids per part (the parts' raw block).
+    raw_block: u64,
+    /// Remapped on the owning ranks after the input dist.
+    owner: bool,
 }
+
+/// Rows of one table to re-initialise, with the key of their new values.
+pub(crate) type Resets = Vec<(String, Vec<u64>, u64)>;
 
 /// Every managed-collision table of a job.
 pub(crate) struct McTables {
@@ -30,9 +67,118 @@ fn bad(table: &str, m: impl std::fmt::Display) -> EngineError {
     )))
 }
 
+/// Whether a plan's shards are one block of whole rows per partition.
+fn blocks_of(plan: Option<&trainrec_planner::TablePlan>, dim: usize) -> Option<TableSharding> {
+    let s = TableSharding::from_plan(plan?);
+    let whole_rows = s.shards.iter().all(|sh| sh.cols == (0..dim));
+    (s.sharding_type != ShardingType::DataParallel && !s.shards.is_empty() && whole_rows).then_some(s)
+}
+
+impl McTable {
+    fn split(&mut self, n: u64) -> Result<(), EngineError> {
+        let parts = self.config.partitions(n).map_err(|m| bad(&self.name, format!("mc.partitions = {n}: {m}")))?;
+        self.raw_block = parts[0].raw.end - parts[0].raw.start;
+        self.parts = parts
+            .into_iter()
+            .map(|p| {
+                let module = ManagedCollision::new(p.config).map_err(|m| bad(&self.name, m))?;
+                Ok(Part { raw: p.raw, rows: p.rows, module, here: true })
+            })
+            .collect::<Result<_, EngineError>>()?;
+        Ok(())
+    }
+
+    /// The part of raw id `id` (checked to be in the raw id space).
+    fn part_of(&self, id: i64) -> usize {
+        ((id as u64) / self.raw_block) as usize
+    }
+
+    /// The row of raw id `id` without counting it.
+    fn row_of(&self, id: i64) -> i64 {
+        let p = &self.parts[self.part_of(id)];
+        (p.rows.start + p.module.row_of(id)) as i64
+    }
+
+    /// The key of the new values of rows reset by part `pi` at its eviction round.
+    fn reset_key(seed: u64, ti: usize, pi: usize, round: u64) -> u64 {
+        seed ^ (ti as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407)
+            ^ round.wrapping_mul(0x9FB2_1C65_1E98_DF25)
+            ^ (pi as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
+    }
+
+    /// One training step of every part on the ids `features` (raw, one slice per feature, the
+    /// global batch's or this rank's): each part counts the ids of its raw block. Returns the
+    /// resets. With one part the slices are remapped in place.
+    fn train(&mut self, seed: u64, ti: usize, features: &mut [&mut [i64]], out: &mut Resets) {
+        if self.parts.len() == 1 {
+            let rows = self.parts[0].module.train_step(features);
+            self.push_resets(seed, ti, 0, rows, out);
+            return;
+        }
+        for pi in 0..self.parts.len() {
+            let raw = self.parts[pi].raw.clone();
+            let mut mine: Vec<Vec<i64>> =
+                features.iter().map(|f| f.iter().copied().filter(|&id| raw.contains(&(id as u64))).collect()).collect();
+            let mut slices: Vec<&mut [i64]> = mine.iter_mut().map(Vec::as_mut_slice).collect();
+            let rows = self.parts[pi].module.train_step(&mut slices);
+            self.push_resets(seed, ti, pi, rows, out);
+        }
+        for f in features.iter_mut() {
+            for id in f.iter_mut() {
+                *id = self.row_of(*id);
+            }
+        }
+    }
+
+    fn push_resets(&self, seed: u64, ti: usize, pi: usize, rows: Vec<u64>, out: &mut Resets) {
+        if rows.is_empty() {
+            return;
+        }
+        let p = &self.parts[pi];
+        let key = Self::reset_key(seed, ti, pi, p.module.stats().evictions);
+        tracing::debug!(table = %self.name, part = pi, rows = rows.len(), "managed collisions: rows re-initialised");
+        out.push((self.name.clone(), rows.into_iter().map(|r| p.rows.start + r).collect(), key));
+    }
+
+    /// Remaps raw ids in place without counting them.
+    fn remap(&self, ids: &mut [i64]) {
+        if self.parts.len() == 1 {
+            self.parts[0].module.remap(ids);
+        } else {
+            for id in ids {
+                *id = self.row_of(*id);
+            }
+        }
+    }
+
+    /// The statistics of the parts run here.
+    fn stats(&self) -> McStats {
+        let mut s = McStats::default();
+        for p in self.parts.iter().filter(|p| p.here) {
+            let m = p.module.stats();
+            s.lookups += m.lookups;
+            s.fallbacks += m.fallbacks;
+            s.tracked += m.tracked;
+            s.capacity += m.capacity;
+            s.last_evictions += m.last_evictions;
+            s.last_admissions += m.last_admissions;
+            s.evictions = s.evictions.max(m.evictions);
+        }
+        s
+    }
+}
+
+/// One part's checkpointable state: its index, the state, and its first row.
+pub(crate) struct PartState {
+    pub(crate) part: usize,
+    pub(crate) state: McState,
+    pub(crate) first_row: u64,
+}
+
 impl McTables {
-    /// The recipe's managed-collision tables (settings already validated).
-    pub(crate) fn new(recipe: &Recipe) -> Result<Self, EngineError> {
+    /// The recipe's managed-collision tables (settings already validated), split as
+    /// `mc.partitions` says or, by default, in the plan's row blocks of a row-wise table.
+    pub(crate) fn new(recipe: &Recipe, plan: &Plan) -> Result<Self, EngineError> {
         let mut tables = Vec::new();
         for t in &recipe.tables {
             let Some(mc) = &t.mc else { continue };
@@ -48,16 +194,65 @@ impl McTables {
                 policy,
                 eviction_interval: mc.eviction_interval,
             };
-            let module = ManagedCollision::new(config).map_err(|m| bad(&t.name, m))?;
+            let tp = plan.tables.iter().find(|p| p.name == t.name);
+            let row_blocks = tp
+                .filter(|p| matches!(p.sharding_type, ShardingType::RowWise | ShardingType::TableRowWise))
+                .and_then(|p| blocks_of(Some(p), t.dim))
+                .map_or(1, |s| s.shards.len() as u64);
             let keys = t.features.iter().map(|f| FeatureRef::parse(f).input.to_string()).collect();
-            tables.push(McTable { name: t.name.clone(), keys, module });
+            let mut table =
+                McTable { name: t.name.clone(), keys, config, parts: Vec::new(), raw_block: 1, owner: false };
+            match mc.partitions {
+                Some(n) => table.split(n)?,
+                // The plan's blocks by default, when each can hold a module; else one module.
+                None => {
+                    if table.split(row_blocks).is_err() {
+                        tracing::warn!(table = %t.name, row_blocks, "managed collisions: the row-wise blocks are too small for a module each; one module runs replicated on every rank");
+                        table.split(1)?;
+                    }
+                }
+            }
+            tables.push(table);
         }
         Ok(Self { tables, seed: recipe.run.seed })
+    }
+
+    /// Chooses each table's way to run (see the module docs) for the job's sparse part and
+    /// plan, and routes the owner-remapped tables' ids by raw id. Called after building the
+    /// job and after restoring a checkpoint's partitions.
+    pub(crate) fn attach(&mut self, sparse: &mut SparseArch, recipe: &Recipe, plan: &Plan) -> Result<(), EngineError> {
+        let SparseArch::Sharded(s) = sparse else {
+            for t in &mut self.tables {
+                t.owner = false;
+                t.parts.iter_mut().for_each(|p| p.here = true);
+            }
+            return Ok(());
+        };
+        let me = s.group().rank();
+        for t in &mut self.tables {
+            let dim = recipe.tables.iter().find(|r| r.name == t.name).map_or(0, |r| r.dim);
+            let sharding = blocks_of(plan.tables.iter().find(|p| p.name == t.name), dim);
+            let aligned = sharding.as_ref().filter(|s| {
+                s.shards.len() == t.parts.len() && s.shards.iter().zip(&t.parts).all(|(sh, p)| sh.rows == p.rows)
+            });
+            t.owner = aligned.is_some();
+            for (pi, p) in t.parts.iter_mut().enumerate() {
+                p.here = aligned.is_none_or(|s| s.shards[pi].rank == me);
+            }
+            s.route_raw_ids(&t.name, t.owner.then_some(t.raw_block))?;
+            tracing::debug!(table = %t.name, partitions = t.parts.len(), owner_remap = t.owner, "managed collisions");
+        }
+        Ok(())
     }
 
     /// Whether the job has none.
     pub(crate) fn is_empty(&self) -> bool {
         self.tables.is_empty()
+    }
+
+    /// Whether some table is remapped on its owning ranks (after the input dist).
+    pub(crate) fn has_owner_remap(&self) -> bool {
+        self.tables.iter().any(|t| t.owner)
     }
 
     /// The positions in `kjt` of each table's features, after checking their raw ids.
@@ -70,12 +265,12 @@ impl McTables {
                     .map(|k| {
                         let i =
                             kjt.key_index(k).ok_or_else(|| bad(&t.name, format!("the batch has no feature '{k}'")))?;
-                        t.module.check_ids(kjt.feature(i).values).map_err(|id| {
+                        t.parts[0].module.check_ids(kjt.feature(i).values).map_err(|id| {
                             EngineError::Embedding(trainrec_embedding::EmbeddingError::RawIdOutOfRange {
                                 table: t.name.clone(),
                                 feature: k.clone(),
                                 id,
-                                input_hash_size: t.module.config().input_hash_size,
+                                input_hash_size: t.config.input_hash_size,
                             })
                         })?;
                         Ok(i)
@@ -85,34 +280,32 @@ impl McTables {
             .collect()
     }
 
-    /// A training batch: counts and remaps its raw ids in place (the batch must not be
-    /// variable-batch); returns, per table, the rows to re-initialise with their key. Across
-    /// ranks (`pg`) every rank counts the ids of the global batch, so the modules stay the same
-    /// on every rank, and remaps its own.
+    /// A training batch (not variable-batch): checks the raw ids of every table, then counts
+    /// and remaps in place the ids of the replicated tables; returns the rows to
+    /// re-initialise. Across ranks (`pg`) every rank counts the ids of the global batch, so
+    /// the modules stay the same on every rank, and remaps its own. The owner-remapped
+    /// tables' ids stay raw for [`Self::train_owned`].
     pub(crate) fn train(
         &mut self,
         kjt: &mut KeyedJaggedTensor,
         pg: Option<&dyn ProcessGroup>,
-    ) -> Result<Vec<(String, Vec<u64>, u64)>, EngineError> {
+    ) -> Result<Resets, EngineError> {
         let at = self.resolve(kjt)?;
-        let mut global: Vec<Vec<Vec<i64>>> = Vec::new();
-        if let Some(pg) = pg {
-            for keys in &at {
-                global
-                    .push(keys.iter().map(|&i| pg.all_gather_sized(kjt.feature(i).values)).collect::<Result<_, _>>()?);
-            }
-        }
         let mut per_key = kjt.values_per_key_mut();
         let mut out = Vec::new();
         for (ti, (t, keys)) in self.tables.iter_mut().zip(&at).enumerate() {
-            let rows = match global.get_mut(ti) {
-                Some(g) => {
-                    let mut all: Vec<&mut [i64]> = g.iter_mut().map(Vec::as_mut_slice).collect();
-                    let rows = t.module.train_step(&mut all);
+            if t.owner {
+                continue;
+            }
+            match pg {
+                Some(pg) => {
+                    let mut global: Vec<Vec<i64>> =
+                        keys.iter().map(|&i| pg.all_gather_sized(per_key[i])).collect::<Result<_, _>>()?;
+                    let mut all: Vec<&mut [i64]> = global.iter_mut().map(Vec::as_mut_slice).collect();
+                    t.train(self.seed, ti, &mut all, &mut out);
                     for &i in keys {
-                        t.module.remap(per_key[i]);
+                        t.remap(per_key[i]);
                     }
-                    rows
                 }
                 None => {
                     // Each feature of a managed-collision table is its own (checked in the recipe).
@@ -122,46 +315,96 @@ impl McTables {
                             mine.push(std::mem::take(slice));
                         }
                     }
-                    t.module.train_step(&mut mine)
+                    t.train(self.seed, ti, &mut mine, &mut out);
                 }
-            };
-            if !rows.is_empty() {
-                let round = t.module.stats().evictions;
-                let key = self.seed
-                    ^ (ti as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407)
-                    ^ round.wrapping_mul(0x9FB2_1C65_1E98_DF25);
-                tracing::debug!(table = %t.name, rows = rows.len(), "managed collisions: rows re-initialised");
-                out.push((t.name.clone(), rows, key));
             }
         }
         Ok(out)
     }
 
-    /// An evaluation batch: remaps its raw ids in place (no counting).
+    /// The owner-rank remap of a training batch after its input dist (`staged`, every table's
+    /// raw ids checked by [`Self::train`]): each part held here counts and remaps the raw ids
+    /// routed to it into its shard's rows; returns the rows to re-initialise (this rank's).
+    pub(crate) fn train_owned(&mut self, s: &ShardedEbc, staged: &mut InputDist) -> Resets {
+        let mut routed: BTreeMap<(String, usize), Vec<&mut [i64]>> = BTreeMap::new();
+        for (table, shard, ids) in s.raw_ids_mut(staged) {
+            routed.entry((table, shard)).or_default().push(ids);
+        }
+        let mut out = Vec::new();
+        for (ti, t) in self.tables.iter_mut().enumerate().filter(|(_, t)| t.owner) {
+            for pi in 0..t.parts.len() {
+                if !t.parts[pi].here {
+                    continue;
+                }
+                let mut ids = routed.remove(&(t.name.clone(), pi)).unwrap_or_default();
+                let rows = t.parts[pi].module.train_step(&mut ids);
+                t.push_resets(self.seed, ti, pi, rows, &mut out);
+            }
+        }
+        out
+    }
+
+    /// An evaluation batch: remaps the replicated tables' raw ids in place (no counting).
     pub(crate) fn eval(&self, kjt: &mut KeyedJaggedTensor) -> Result<(), EngineError> {
         let at = self.resolve(kjt)?;
         let mut per_key = kjt.values_per_key_mut();
-        for (t, keys) in self.tables.iter().zip(&at) {
+        for (t, keys) in self.tables.iter().zip(&at).filter(|(t, _)| !t.owner) {
             for &i in keys {
-                t.module.remap(per_key[i]);
+                t.remap(per_key[i]);
             }
         }
         Ok(())
     }
 
-    /// Each table's name and checkpointable state.
-    pub(crate) fn states(&self) -> Vec<(String, McState)> {
-        self.tables.iter().map(|t| (t.name.clone(), t.module.state())).collect()
+    /// The owner-rank remap of an evaluation batch after its input dist (no counting).
+    pub(crate) fn eval_owned(&self, s: &ShardedEbc, staged: &mut InputDist) {
+        for (table, shard, ids) in s.raw_ids_mut(staged) {
+            if let Some(t) = self.tables.iter().find(|t| t.owner && t.name == table) {
+                t.parts[shard].module.remap(ids);
+            }
+        }
     }
 
-    /// Restores table `name`'s state.
-    pub(crate) fn set_state(&mut self, name: &str, state: &McState) -> Result<(), EngineError> {
-        let t = self
-            .tables
+    /// Per table: its name, partitions, and the states of the parts this rank saves (under
+    /// the owner-rank remap the parts held here; else every part on the `lead` rank).
+    pub(crate) fn states(&self, lead: bool) -> Vec<(String, usize, Vec<PartState>)> {
+        self.tables
+            .iter()
+            .map(|t| {
+                let parts = t
+                    .parts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| if t.owner { p.here } else { lead })
+                    .map(|(part, p)| PartState { part, state: p.module.state(), first_row: p.rows.start })
+                    .collect();
+                (t.name.clone(), t.parts.len(), parts)
+            })
+            .collect()
+    }
+
+    /// Splits table `name` into `n` partitions (empty modules) unless it has that many.
+    pub(crate) fn set_partitions(&mut self, name: &str, n: usize) -> Result<(), EngineError> {
+        let t = self.table_mut(name)?;
+        if t.parts.len() != n {
+            t.split(n as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Restores part `part` of table `name`.
+    pub(crate) fn set_state(&mut self, name: &str, part: usize, state: &McState) -> Result<(), EngineError> {
+        let t = self.table_mut(name)?;
+        let n = t.parts.len();
+        let p = t.parts.get_mut(part).ok_or_else(|| bad(name, format!("no partition {part} of {n}")))?;
+        p.module.set_state(state).map_err(|m| bad(name, format!("checkpointed state of partition {part}: {m}")))
+    }
+
+    fn table_mut(&mut self, name: &str) -> Result<&mut McTable, EngineError> {
+        self.tables
             .iter_mut()
             .find(|t| t.name == name)
-            .ok_or_else(|| bad(name, "the job has no managed-collision table of this name"))?;
-        t.module.set_state(state).map_err(|m| bad(name, format!("checkpointed state: {m}")))
+            .ok_or_else(|| bad(name, "the job has no managed-collision table of this name"))
     }
 
     /// The names of the tables.
@@ -169,20 +412,37 @@ impl McTables {
         self.tables.iter().map(|t| t.name.clone()).collect()
     }
 
-    /// Each table's statistics.
+    /// Each table's statistics over the parts this rank runs.
     pub(crate) fn stats(&self) -> BTreeMap<String, McStats> {
-        self.tables.iter().map(|t| (t.name.clone(), t.module.stats())).collect()
+        self.tables.iter().map(|t| (t.name.clone(), t.stats())).collect()
     }
 
     /// The statistics as metric values: `mc/<table>/collision_rate` (fraction of the ids so far
-    /// that went to the fallback), `tracked_fraction` and `evictions` (at the last eviction).
-    pub(crate) fn metric_values(&self) -> BTreeMap<String, f64> {
+    /// that went to the fallback), `tracked_fraction` and `evictions` (at the last eviction),
+    /// over every rank's parts. Collective when some table is remapped on its owners.
+    pub(crate) fn metric_values(&self, pg: Option<&dyn ProcessGroup>) -> Result<BTreeMap<String, f64>, EngineError> {
+        let mut stats = self.stats();
+        if let (Some(pg), true) = (pg, self.has_owner_remap()) {
+            let owned: Vec<&McTable> = self.tables.iter().filter(|t| t.owner).collect();
+            let mut counts: Vec<u64> = owned
+                .iter()
+                .flat_map(|t| {
+                    let s = stats[&t.name];
+                    [s.lookups, s.fallbacks, s.tracked, s.capacity, s.last_evictions]
+                })
+                .collect();
+            crate::dist::sum_counts(pg, &mut counts)?;
+            for (t, c) in owned.iter().zip(counts.chunks(5)) {
+                let s = stats.get_mut(&t.name).expect("every table has statistics");
+                (s.lookups, s.fallbacks, s.tracked, s.capacity, s.last_evictions) = (c[0], c[1], c[2], c[3], c[4]);
+            }
+        }
         let mut out = BTreeMap::new();
-        for (name, s) in self.stats() {
+        for (name, s) in stats {
             out.insert(format!("mc/{name}/collision_rate"), s.collision_rate());
             out.insert(format!("mc/{name}/tracked_fraction"), s.tracked_fraction());
             out.insert(format!("mc/{name}/evictions"), s.last_evictions as f64);
         }
-        out
+        Ok(out)
     }
 }

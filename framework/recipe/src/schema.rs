@@ -361,6 +361,17 @@ pub struct ManagedCollisionSection {
     /// Training steps per eviction window. Default: 100.
     #[serde(default = "defaults::eviction_interval")]
     pub eviction_interval: u64,
+    /// Independent modules the table's managed collisions are split into (TorchRec's one
+    /// module per row-wise shard): module `i` takes the raw ids of block `i` of
+    /// `ceil(input_hash_size / partitions)` ids and owns block `i` of `ceil(rows /
+    /// partitions)` rows, with its share of the residual rows (or its own reserved last row).
+    /// When the plan shards the table row-wise in those same blocks, each rank remaps the ids
+    /// of its own block after the input dist (the owner-rank remap); otherwise every rank
+    /// runs every module on the global batch. Default: the number of row blocks when the plan
+    /// shards the table row-wise or table-row-wise, else 1; a resumed run keeps the
+    /// checkpoint's. Set it to train the same model on any number of ranks.
+    #[serde(default)]
+    pub partitions: Option<u64>,
 }
 
 /// A managed-collision eviction policy.

@@ -196,6 +196,20 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             out.push(Diagnostic::new(mp.key("eviction_interval"), "eviction_interval must be at least 1"));
         }
         positive_f64(&mut out, mp.key("decay_exponent"), mc.decay_exponent);
+        if let Some(n) = mc.partitions {
+            let config = trainrec_embedding::mc::McConfig {
+                rows: table.rows,
+                zch_size: zch.clamp(1, table.rows),
+                input_hash_size: mc.input_hash_size.max(1),
+                policy: trainrec_embedding::mc::EvictionPolicy::Lfu,
+                eviction_interval: 1,
+            };
+            if let Err(m) = config.partitions(n) {
+                out.push(Diagnostic::new(mp.key("partitions"), m).with_help(
+                    "each partition needs raw ids and rows of its own (two rows when it keeps a reserved row)",
+                ));
+            }
+        }
         for (f, feature) in table.features.iter().enumerate() {
             let input = FeatureRef::parse(feature).input;
             let users = used_by.get(input).map_or(0, Vec::len);
