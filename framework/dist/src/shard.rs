@@ -114,9 +114,9 @@ pub enum Module<O> {
 /// A module after [`shard_modules`].
 pub enum ShardedModule<O> {
     /// A sharded bag collection.
-    Bag(ShardedEbc),
+    Bag(Box<ShardedEbc>),
     /// A sharded sequence collection.
-    Sequence(ShardedEc),
+    Sequence(Box<ShardedEc>),
     /// The module as it was.
     Other(O),
 }
@@ -149,9 +149,11 @@ pub fn shard_modules<O>(
         .into_iter()
         .map(|(name, m)| {
             let sharded = match m {
-                Module::Bag(e) => ShardedModule::Bag(shard_ebc(&e, plan, pg.clone()).map_err(|e| named(&name, e))?),
+                Module::Bag(e) => {
+                    ShardedModule::Bag(Box::new(shard_ebc(&e, plan, pg.clone()).map_err(|e| named(&name, e))?))
+                }
                 Module::Sequence(e) => {
-                    ShardedModule::Sequence(shard_ec(&e, plan, pg.clone()).map_err(|e| named(&name, e))?)
+                    ShardedModule::Sequence(Box::new(shard_ec(&e, plan, pg.clone()).map_err(|e| named(&name, e))?))
                 }
                 Module::Other(o) => ShardedModule::Other(o),
             };
