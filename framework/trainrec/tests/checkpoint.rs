@@ -151,8 +151,17 @@ fn resuming_refuses_another_model_and_a_corrupted_checkpoint() {
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
     assert_eq!(header["embedding_bags.t_C2.weight"]["shape"], serde_json::json!([1000, 16]));
-    // One raw id per managed slot (zch_size).
-    assert_eq!(header["managed_collisions.t_C1.ids"]["shape"], serde_json::json!([900]));
+    // One raw id per row (-1 in the 100 residual rows past zch_size = 900, and in empty slots).
+    assert_eq!(header["managed_collisions.t_C1.ids"]["shape"], serde_json::json!([1000]));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids: Vec<i64> = st
+        .tensor("managed_collisions.t_C1.ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert!(ids[900..].iter().all(|&id| id == -1) && ids[..900].iter().any(|&id| id >= 0));
     assert_eq!(header["__metadata__"]["step"], "60");
     assert!(!out.join("model.tmp").exists());
     let (code, err) = trainrec(
