@@ -171,6 +171,8 @@ impl RowCache {
             cache.file[r as usize * wbytes..end as usize * wbytes].copy_from_slice(bytes_of(&buf));
             r = end;
         }
+        // Misses read single rows: no read-ahead around them.
+        let _ = cache.file.advise(memmap2::Advice::Random);
         Ok(cache)
     }
 
@@ -384,7 +386,9 @@ impl RowCache {
     }
 }
 
-/// A file of `bytes` zero bytes under `dir`, mapped and already unlinked.
+/// A file of `bytes` zero bytes under `dir`, its blocks reserved on the disk (so that a full
+/// disk is this error now, not a fault when a page is written later), mapped and already
+/// unlinked.
 fn backing_file(name: &str, dir: &std::path::Path, bytes: usize) -> Result<MmapMut, EmbeddingError> {
     static N: AtomicUsize = AtomicUsize::new(0);
     let at = |e: std::io::Error| {
@@ -401,7 +405,15 @@ fn backing_file(name: &str, dir: &std::path::Path, bytes: usize) -> Result<MmapM
         name.chars().filter(char::is_ascii_alphanumeric).collect::<String>()
     ));
     let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).map_err(at)?;
-    let mapped = file.set_len(bytes.max(1) as u64).and_then(|()| {
+    let reserved = {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a plain syscall on the file descriptor we own; it reads no memory of ours.
+        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, bytes.max(1) as libc::off_t) } {
+            0 => Ok(()),
+            e => Err(std::io::Error::from_raw_os_error(e)),
+        }
+    };
+    let mapped = reserved.and_then(|()| {
         // SAFETY: the file is ours alone (created just now, unlinked below before anyone else
         // can open it), so no other mapping or writer changes it under us.
         unsafe { MmapMut::map_mut(&file) }

@@ -230,6 +230,16 @@ fn bad_cache_sizes_are_config_errors_naming_the_table() {
         let err = EmbeddingBagCollection::new(vec![t], SparseOptimizerConfig::Sgd { lr: 1.0 }, 0).err().unwrap();
         assert!(err.to_string().contains("table \"t\"") && err.to_string().contains("1..=10"), "{err}");
     }
+    // A table the disk cannot hold (65 TB) is refused when its file is made, not by a fault
+    // when a page is written later.
+    let huge = EmbeddingBagConfig::new("huge", 4_000_000_000, 4096, PoolingMode::Sum, &["f"]).with_cache(CacheConfig {
+        slots: 10,
+        policy: CachePolicy::Lru,
+        dir: own.clone(),
+    });
+    let err = EmbeddingBagCollection::new(vec![huge], SparseOptimizerConfig::Sgd { lr: 1.0 }, 0).err().unwrap();
+    let err = err.to_string();
+    assert!(err.contains("table \"huge\"") && err.contains("embedding.offload_dir"), "{err}");
     // Nothing of the backing files stays behind.
     let left: Vec<_> =
         std::fs::read_dir(&own).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();

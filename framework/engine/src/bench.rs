@@ -103,6 +103,10 @@ pub struct DlrmBench {
     pub offload_dir: Option<std::path::PathBuf>,
     /// Prefetch batch i+1's cached rows while batch i's dense part runs.
     pub prefetch: bool,
+    /// Draw ids from a power law of this exponent over each table's rows instead of
+    /// uniformly: rank `k` (0 the most frequent) with probability about `(k + 1)^-alpha`, the
+    /// ranks scattered over the rows so hot rows do not sit together in memory or on disk.
+    pub zipf_alpha: Option<f64>,
 }
 
 impl Default for DlrmBench {
@@ -129,6 +133,7 @@ impl Default for DlrmBench {
             cache_load_factor: None,
             offload_dir: None,
             prefetch: false,
+            zipf_alpha: None,
         }
     }
 }
@@ -206,16 +211,65 @@ impl SplitMix {
     }
 }
 
-/// Batches shaped like TorchRec's `RandomRecDataset`: ids uniform in `0..rows`, exactly
-/// `ids_per_feature` per bag, dense features uniform in `[0, 1)`, labels 0 or 1.
+/// Power-law ranks over `n` rows, drawn by inverting the continuous CDF of `x^-alpha` on
+/// `[1, n + 1)`, then scattered over the rows by a fixed bijection: rank `k` is row
+/// `k * mult mod n`, `mult` coprime to `n`.
+struct PowerLaw {
+    n: u64,
+    alpha: f64,
+    /// `(n + 1)^(1 - alpha) - 1` (or `ln(n + 1)` for `alpha = 1`).
+    span: f64,
+    mult: u64,
+}
+
+impl PowerLaw {
+    fn new(n: u64, alpha: f64) -> Self {
+        let span =
+            if (alpha - 1.0).abs() < 1e-9 { ((n + 1) as f64).ln() } else { ((n + 1) as f64).powf(1.0 - alpha) - 1.0 };
+        // The largest multiplier below the golden ratio times n coprime to n.
+        let gcd = |mut a: u64, mut b: u64| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let mut mult = ((n as f64 * 0.618_033_988_75) as u64).max(1);
+        while gcd(mult, n) != 1 {
+            mult -= 1;
+        }
+        Self { n, alpha, span, mult }
+    }
+
+    /// A row: rank `k` drawn from the law, then mapped to row `k * mult mod n`.
+    fn draw(&self, rng: &mut SplitMix) -> u64 {
+        let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+        let x = if (self.alpha - 1.0).abs() < 1e-9 {
+            (u * self.span).exp()
+        } else {
+            (u * self.span + 1.0).powf(1.0 / (1.0 - self.alpha))
+        };
+        let k = ((x as u64).max(1) - 1).min(self.n - 1);
+        ((u128::from(k) * u128::from(self.mult)) % u128::from(self.n)) as u64
+    }
+}
+
+/// Batches shaped like TorchRec's `RandomRecDataset`: ids uniform in `0..rows` (or drawn
+/// from [`DlrmBench::zipf_alpha`]'s power law), exactly `ids_per_feature` per bag, dense
+/// features uniform in `[0, 1)`, labels 0 or 1.
 pub(crate) fn make_batches(b: &DlrmBench, features: &FeatureSchema) -> Result<Vec<Batch>, String> {
     let mut rng = SplitMix(b.seed ^ 0x243F_6A88_85A3_08D3);
+    let law = b.zipf_alpha.map(|a| PowerLaw::new(b.rows, a));
     let n = b.batch * b.ids_per_feature;
     let keys = features.sparse.clone();
     (0..b.num_batches)
         .map(|_| {
             let dense: Vec<f32> = (0..b.batch * b.num_dense).map(|_| rng.unit_f32()).collect();
-            let values: Vec<i64> = (0..keys.len() * n).map(|_| rng.below(b.rows) as i64).collect();
+            let values: Vec<i64> = (0..keys.len() * n)
+                .map(|_| match &law {
+                    Some(law) => law.draw(&mut rng) as i64,
+                    None => rng.below(b.rows) as i64,
+                })
+                .collect();
             let lengths = vec![b.ids_per_feature as u32; keys.len() * b.batch];
             let labels: Vec<f32> = (0..b.batch).map(|_| (rng.next_u64() >> 63) as f32).collect();
             let sparse = KeyedJaggedTensor::new(keys.clone(), values, None, lengths, b.batch)
@@ -389,6 +443,9 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
     if b.batch == 0 || b.steps == 0 || b.num_batches == 0 {
         return Err("batch, steps and num-batches must be > 0".into());
     }
+    if let Some(a) = b.zipf_alpha.filter(|a| !(a.is_finite() && *a > 0.0)) {
+        return Err(format!("--zipf-alpha {a}: the exponent must be a positive number"));
+    }
     let malloc_tuned = b.malloc_tuning && tune_allocator();
     // Before anything starts rayon's global pool (recipe checks may), so it gets `threads`.
     crate::configure_threads((b.threads > 0).then_some(b.threads));
@@ -493,6 +550,7 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
             "over_arch": b.over_arch, "batch": b.batch, "steps": b.steps, "warmup": b.warmup,
             "num_batches": b.num_batches, "lr": b.lr, "eps": b.eps, "seed": b.seed, "threads": b.threads,
             "malloc_tuning": b.malloc_tuning, "dense_opt": "adagrad", "sparse_opt": "rowwise_adagrad",
+            "zipf_alpha": b.zipf_alpha,
         },
         "step": step,
         "ms_per_step": ms,
@@ -536,6 +594,33 @@ impl DlrmBench {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn power_law_ids_follow_the_law_over_scattered_rows() {
+        let (n, alpha) = (1000u64, 1.1);
+        let law = PowerLaw::new(n, alpha);
+        // Ranks map to distinct rows, and neighbouring ranks to distant rows.
+        let rows: std::collections::BTreeSet<u64> = (0..n).map(|k| (k * law.mult) % n).collect();
+        assert_eq!(rows.len(), n as usize);
+        assert!(law.mult.abs_diff(1) > 100);
+        let mut rng = SplitMix(7);
+        let draws = 400_000;
+        let mut count = vec![0u64; n as usize];
+        for _ in 0..draws {
+            count[law.draw(&mut rng) as usize] += 1;
+        }
+        let freq = |k: u64| count[((k * law.mult) % n) as usize] as f64 / draws as f64;
+        // P(rank k) = ((k + 2)^(1 - a) - (k + 1)^(1 - a)) / ((n + 1)^(1 - a) - 1), in float64.
+        let p = |k: u64| {
+            let e = 1.0 - alpha;
+            (((k + 2) as f64).powf(e) - ((k + 1) as f64).powf(e)) / (((n + 1) as f64).powf(e) - 1.0)
+        };
+        for k in [0, 1, 5, 50] {
+            let (got, want) = (freq(k), p(k));
+            assert!((got - want).abs() < 0.05 * want, "rank {k}: {got} vs {want}");
+        }
+        assert!(freq(0) > freq(1) && freq(1) > freq(10) && freq(10) > freq(500));
+    }
 
     #[test]
     fn a_tiny_bench_runs_both_modes() {

@@ -479,6 +479,10 @@ pub struct DlrmArgs {
     /// `prefetch_sparse_dist` pipeline).
     #[arg(long)]
     pub prefetch: bool,
+    /// Draw ids from a power law of this exponent (row ranks scattered over the table)
+    /// instead of uniformly: the skewed accesses that make a cache pay.
+    #[arg(long)]
+    pub zipf_alpha: Option<f64>,
 }
 
 /// Flags of `trainrec bench data`.
@@ -785,6 +789,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 cache_load_factor: a.cache_load_factor,
                 offload_dir: a.offload_dir,
                 prefetch: a.prefetch,
+                zipf_alpha: a.zipf_alpha,
                 ..a.shape.bench()
             };
             print_bench(trainrec_engine::bench::run(&bench))
