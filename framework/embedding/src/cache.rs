@@ -135,6 +135,7 @@ impl RowCache {
             return Err(EmbeddingError::Config(format!("table \"{name}\": cached tables hold under 2^32 - 1 rows")));
         }
         let wbytes = dim * size_of::<T>();
+        // One record per row: weights, then optimizer state.
         let total = (rows as usize).checked_mul(wbytes + spr * 4).ok_or_else(|| {
             EmbeddingError::Config(format!("table \"{name}\" ({rows} x {dim}) is too large to address"))
         })?;
@@ -168,7 +169,10 @@ impl RowCache {
             let end = (r + CHUNK).min(rows);
             buf.clear();
             buf.extend(init(r..end).into_iter().map(T::from_f32));
-            cache.file[r as usize * wbytes..end as usize * wbytes].copy_from_slice(bytes_of(&buf));
+            for (i, w) in buf.chunks_exact(dim.max(1)).enumerate() {
+                let wr = cache.w_range((r as usize + i) as u32);
+                cache.file[wr].copy_from_slice(bytes_of(w));
+            }
             r = end;
         }
         // Misses read single rows: no read-ahead around them.
@@ -197,6 +201,8 @@ impl RowCache {
     ) -> Result<Vec<u32>, EmbeddingError> {
         self.call += 1;
         let call = self.call;
+        let rows: Vec<u32> = rows.collect();
+        self.read_ahead(&rows);
         let mut pinned = Vec::new();
         for row in rows {
             let slot = match self.slot(row) {
@@ -271,14 +277,50 @@ impl RowCache {
         Some(s)
     }
 
+    /// Bytes of one row's record in the file: its weights, then its optimizer state (one
+    /// record per row, so a miss reads one place of the disk).
+    fn record(&self) -> usize {
+        self.wbytes + self.spr * 4
+    }
+
     fn w_range(&self, row: u32) -> std::ops::Range<usize> {
-        let o = row as usize * self.wbytes;
+        let o = row as usize * self.record();
         o..o + self.wbytes
     }
 
     fn s_range(&self, row: u32) -> std::ops::Range<usize> {
-        let o = self.rows as usize * self.wbytes + row as usize * self.spr * 4;
+        let o = row as usize * self.record() + self.wbytes;
         o..o + self.spr * 4
+    }
+
+    /// Asks the kernel to start reading the file pages of `rows` that are not resident, all
+    /// at once (`MADV_WILLNEED`, coalesced into runs of pages), so that the disk serves them
+    /// in parallel instead of one page fault at a time.
+    pub(crate) fn read_ahead(&self, rows: &[u32]) {
+        const PAGE: usize = 4096;
+        let rec = self.record();
+        let mut pages: Vec<usize> = Vec::new();
+        for &row in rows {
+            if self.slot(row).is_none() {
+                let o = row as usize * rec;
+                pages.extend(o / PAGE..=(o + rec - 1) / PAGE);
+            }
+        }
+        if pages.len() < 2 {
+            return;
+        }
+        pages.sort_unstable();
+        pages.dedup();
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len() && pages[j] == pages[j - 1] + 1 {
+                j += 1;
+            }
+            let (start, end) = (pages[i] * PAGE, ((pages[j - 1] + 1) * PAGE).min(self.file.len()));
+            let _ = self.file.advise_range(memmap2::Advice::WillNeed, start, end - start);
+            i = j;
+        }
     }
 
     /// Copies `row` from the file into `slot` (clean).

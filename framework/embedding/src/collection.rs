@@ -411,7 +411,10 @@ impl Core {
                 if let Some(slots) = slots {
                     return Some(Lookup::Slots(slots));
                 }
-                // Not prefetched: read the batch's distinct rows from slots or file.
+                // Not prefetched: read the batch's distinct rows from slots or file, the file's
+                // pages requested all at once first.
+                let wanted: Vec<u32> = values.iter().map(|&id| clamp_row(id, rows) as u32).collect();
+                cache.read_ahead(&wanted);
                 let mut index: HashMap<u32, i64> = HashMap::new();
                 let mut staged = Vec::new();
                 let mut row = vec![0f32; o.dim];
