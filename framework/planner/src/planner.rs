@@ -449,10 +449,13 @@ impl Search<'_> {
         }
     }
 
-    /// Grows the cached tables' load factors into free device memory: the largest budget (by
-    /// bisection) whose plan still fits, shared by expected lookups.
+    /// Grows the cached tables' load factors into free memory: the largest budget (by
+    /// bisection) whose plan still fits, shared by expected lookups. The cache's memory is HBM
+    /// on GPUs and DDR on CPU (where the table behind it is on disk).
     fn offload_scaleup(&mut self) {
         let t = &self.input.topology;
+        let cpu = t.compute_device == ComputeDevice::Cpu;
+        let fast = move |s: &Storage| if cpu { s.ddr } else { s.hbm };
         // Start from the best plan so far (the greedy's); without one, from each table's
         // fastest cached option where it has one, else its fastest (TorchRec's start).
         let start: Proposal = match &self.best {
@@ -476,10 +479,10 @@ impl Search<'_> {
         if cached.is_empty() || self.evaluate(start.clone()).is_none() {
             return;
         }
-        let used: u64 = self.options(&start).iter().map(|o| o.total_storage().hbm).sum();
-        let avail: u64 = self.caps.iter().map(|c| c.hbm).sum::<u64>().saturating_sub(used);
+        let used: u64 = self.options(&start).iter().map(|o| fast(&o.total_storage())).sum();
+        let avail: u64 = self.caps.iter().map(fast).sum::<u64>().saturating_sub(used);
         let est = Estimator { topo: t, cost_model: self.input.config.cost_model };
-        // Affine HBM model of each cached table in its load factor, and its fused size.
+        // Affine memory model of each cached table in its load factor, and its fused size.
         let mut model = Vec::new();
         for &ti in &cached {
             let o = &self.space[ti][start[ti] as usize];
@@ -488,7 +491,7 @@ impl Search<'_> {
             let layout = shard_layout(table, o.sharding_type, t);
             let hbm_at = |k: ComputeKernel, clf: Option<f64>| -> f64 {
                 est.shards(table, &inputs, o.sharding_type, k, clf, &layout)
-                    .map(|s| s.iter().map(|s| s.storage.hbm as f64).sum())
+                    .map(|s| s.iter().map(|s| fast(&s.storage) as f64).sum())
                     .unwrap_or(f64::INFINITY)
             };
             let (lo, hi) =

@@ -71,3 +71,38 @@ fn cached_tables_scaled_up_into_free_hbm() {
     let config = PlannerConfig { proposer: ProposerKind::OffloadScaleup, ..Default::default() };
     check("t6_2_cuda_scaleup", PlanInput { tables: t, topology, config });
 }
+
+/// Offloaded tables on CPU (cache in DDR, table on disk): the scale-up grows their caches
+/// into the DDR the plan leaves free, by expected lookups, and never past what fits.
+#[test]
+fn cached_tables_on_cpu_scaled_up_into_free_ddr() {
+    let mut t = tables(6);
+    for s in &mut t {
+        s.constraints.compute_kernels = Some(vec![ComputeKernel::FusedUvmCaching]);
+        s.constraints.cache = Some(CacheParams { load_factor: Some(0.1), ..Default::default() });
+    }
+    let full: u64 = t.iter().map(|s| s.rows * s.dim * 4).sum();
+    for (ddr, grows_to_whole) in [(full / 4, false), (8 * full, true)] {
+        let mut topology = Topology::new(2, ComputeDevice::Cpu);
+        topology.ddr_cap = ddr;
+        let input = PlanInput {
+            tables: t.clone(),
+            topology,
+            config: PlannerConfig { proposer: ProposerKind::OffloadScaleup, ..Default::default() },
+        };
+        let p = plan(&input).unwrap_or_else(|e| panic!("{e}"));
+        let lfs: Vec<f64> = p.tables.iter().map(|tp| tp.cache_load_factor.unwrap_or(1.0)).collect();
+        assert!(lfs.iter().all(|&f| f > 0.1), "DDR {ddr}: every cache grew from 0.1: {lfs:?}");
+        assert_eq!(lfs.iter().all(|&f| f > 0.999), grows_to_whole, "DDR {ddr}: {lfs:?}");
+        for r in &p.ranks {
+            assert!(r.used.ddr <= r.available.ddr, "rank {}: {:?} over {:?}", r.rank, r.used, r.available);
+        }
+        // The base plan (no scale-up) keeps the asked-for 0.1.
+        let base = plan(&PlanInput { config: PlannerConfig::default(), ..input.clone() }).unwrap();
+        assert!(
+            base.tables.iter().all(|tp| tp.cache_load_factor == Some(0.1)),
+            "{:?}",
+            base.tables[0].cache_load_factor
+        );
+    }
+}
