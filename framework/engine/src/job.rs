@@ -321,7 +321,7 @@ impl Job {
             inputs_hash = %plan.inputs_hash,
             "sharding plan"
         );
-        let (sparse, sync) = match pg {
+        let (mut sparse, sync) = match pg {
             Some(pg) => {
                 let sharded = crate::dist::sharded_ebc(&recipe, &plan, pg.clone())?;
                 (
@@ -347,7 +347,6 @@ impl Job {
             retrieval_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
         let mut mc = crate::mc::McTables::new(&recipe, &plan)?;
-        let mut sparse = sparse;
         mc.attach(&mut sparse, &recipe, &plan)?;
         Ok(Self {
             recipe,
@@ -480,19 +479,11 @@ impl Job {
             remapped = b;
             &remapped
         };
-        let mut staged = self.staged.take();
-        if self.mc.has_owner_remap() {
-            // The owner-rank remap: the input dist brings each raw id to its block's rank,
-            // which counts and remaps it (managed-collision jobs run the base pipeline).
-            let SparseArch::Sharded(s) = &mut self.sparse else {
-                return Err(EngineError::Internal("the owner-rank remap needs sharded tables".into()));
-            };
-            let mut st = s.input_dist(&batch.sparse)?;
-            for (table, rows, key) in self.mc.train_owned(s, &mut st) {
-                s.reset_rows(&table, &rows, key)?;
-            }
-            staged = Some(st);
-        }
+        // Managed-collision jobs run the base pipeline: nothing is staged ahead for them.
+        let staged = match self.staged.take() {
+            Some(st) => Some(st),
+            None => self.mc.stage_train(&mut self.sparse, &batch.sparse)?,
+        };
         let (dense, sparse, labels, ctx) = self.tensors(batch, staged)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = crate::dist::full_batch(&batch.sparse)?;
@@ -688,14 +679,7 @@ impl Job {
                 self.mc.eval(&mut b.sparse)?;
                 b
             };
-            let staged = match &self.sparse {
-                SparseArch::Sharded(s) if self.mc.has_owner_remap() => {
-                    let mut st = s.input_dist(&batch.sparse)?;
-                    self.mc.eval_owned(s, &mut st);
-                    Some(st)
-                }
-                _ => None,
-            };
+            let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
             let (dense, sparse, labels, _) = self.tensors(&batch, staged)?;
             let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))

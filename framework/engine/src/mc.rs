@@ -322,10 +322,47 @@ impl McTables {
         Ok(out)
     }
 
-    /// The owner-rank remap of a training batch after its input dist (`staged`, every table's
-    /// raw ids checked by [`Self::train`]): each part held here counts and remaps the raw ids
-    /// routed to it into its shard's rows; returns the rows to re-initialise (this rank's).
-    pub(crate) fn train_owned(&mut self, s: &ShardedEbc, staged: &mut InputDist) -> Resets {
+    /// The input dist of training batch `kjt` (raw ids checked and the replicated tables
+    /// remapped by [`Self::train`]) when some table is remapped on its owning ranks, with that
+    /// remap done: each rank's modules count and remap the raw ids the input dist brought
+    /// them, and the rows of slots that changed hands start afresh. `None` without such
+    /// tables. Collective.
+    pub(crate) fn stage_train(
+        &mut self,
+        sparse: &mut SparseArch,
+        kjt: &KeyedJaggedTensor,
+    ) -> Result<Option<InputDist>, EngineError> {
+        let SparseArch::Sharded(s) = sparse else { return Ok(None) };
+        if !self.has_owner_remap() {
+            return Ok(None);
+        }
+        let mut staged = s.input_dist(kjt)?;
+        for (table, rows, key) in self.train_owned(s, &mut staged) {
+            s.reset_rows(&table, &rows, key)?;
+        }
+        Ok(Some(staged))
+    }
+
+    /// [`Self::stage_train`] for an evaluation batch (after [`Self::eval`]): remapped without
+    /// counting. Collective.
+    pub(crate) fn stage_eval(
+        &self,
+        sparse: &SparseArch,
+        kjt: &KeyedJaggedTensor,
+    ) -> Result<Option<InputDist>, EngineError> {
+        let SparseArch::Sharded(s) = sparse else { return Ok(None) };
+        if !self.has_owner_remap() {
+            return Ok(None);
+        }
+        let mut staged = s.input_dist(kjt)?;
+        self.eval_owned(s, &mut staged);
+        Ok(Some(staged))
+    }
+
+    /// The owner-rank remap of a training batch after its input dist (`staged`): each part
+    /// held here counts and remaps the raw ids routed to it into its shard's rows; returns
+    /// the rows to re-initialise (this rank's).
+    fn train_owned(&mut self, s: &ShardedEbc, staged: &mut InputDist) -> Resets {
         let mut routed: BTreeMap<(String, usize), Vec<&mut [i64]>> = BTreeMap::new();
         for (table, shard, ids) in s.raw_ids_mut(staged) {
             routed.entry((table, shard)).or_default().push(ids);
@@ -357,7 +394,7 @@ impl McTables {
     }
 
     /// The owner-rank remap of an evaluation batch after its input dist (no counting).
-    pub(crate) fn eval_owned(&self, s: &ShardedEbc, staged: &mut InputDist) {
+    fn eval_owned(&self, s: &ShardedEbc, staged: &mut InputDist) {
         for (table, shard, ids) in s.raw_ids_mut(staged) {
             if let Some(t) = self.tables.iter().find(|t| t.owner && t.name == table) {
                 t.parts[shard].module.remap(ids);
