@@ -1065,7 +1065,9 @@ impl Job {
                 }
                 if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) {
                     let m = self.evaluate()?;
-                    tracing::info!(step, metrics = ?m, "eval");
+                    if lead {
+                        tracing::info!(step, metrics = ?m, "eval");
+                    }
                     log_write(&mut log, step, "eval", &m)?;
                     p.set_last_eval(&m);
                 }

@@ -284,3 +284,28 @@ fn bench_dist_prints_every_phase_and_the_raw_all_to_all() {
     assert_eq!(v["bytes_sent_per_rank"]["output_dist"].as_u64(), Some(4 * 96 * 4 * 8), "{v}");
     assert!(v["raw_all_to_all_ms"]["output_bytes"].as_f64().is_some(), "{v}");
 }
+
+#[test]
+fn a_two_rank_run_logs_each_line_once() {
+    let out = std::env::temp_dir().join(format!("trainrec-cli-2ranks-log-{}", std::process::id()));
+    let dir = format!("run.output_dir={:?}", out.display().to_string());
+    let (code, _, err) = trainrec(&[
+        "run",
+        "recipes/dist/quickstart_2ranks.toml",
+        "--set",
+        "train.steps=20",
+        "--set",
+        "train.eval_every=10",
+        "--set",
+        "train.log_every=10",
+        "--set",
+        "data.sampler.eval_samples=512",
+        "--set",
+        &dir,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    // Only the lead rank logs: one eval line at step 10 and one train line per log step.
+    assert_eq!(err.matches("eval step=10").count(), 1, "{err}");
+    assert_eq!(err.matches("train step=10 ").count(), 1, "{err}");
+    let _ = std::fs::remove_dir_all(&out);
+}
