@@ -602,6 +602,25 @@ fn prefetching_into_cached_shards_trains_like_tables_in_memory() {
 }
 
 #[test]
+fn managed_collisions_on_cached_tables_train_like_tables_in_memory() {
+    // Managed collisions remap before the lookup, so the kernel behind them does not matter:
+    // ta cached at load factor 0.75 (LRU) trains bit for bit like ta in memory, on one rank
+    // (one module) and on two (the owner-rank remap into each rank's cached shard).
+    let cached = r#"tables[0].constraints={sharding_types=["row_wise"], compute_kernels=["fused_uvm_caching"], cache={load_factor=0.75}}"#;
+    let root = std::env::temp_dir().join(format!("trainrec-dist-pipe-{}", std::process::id()));
+    let offload = format!("embedding.offload_dir=\"{}\"", root.display());
+    for world in [1, 2] {
+        let in_memory = train_full(world, "row_wise", false, true, &[&own_out(&format!("mc-mem-{world}"))]);
+        let on_disk =
+            train_full(world, "row_wise", false, true, &[cached, &offload, &own_out(&format!("mc-cached-{world}"))]);
+        same(&format!("managed collisions on a cached ta, {world} ranks"), &on_disk, &in_memory);
+        assert!(on_disk.mc["ta"].tracked > 0, "ids were tracked");
+        let log = std::fs::read_to_string(root.join(format!("mc-cached-{world}")).join("metrics.jsonl")).unwrap();
+        assert!(log.contains("cache/ta") && !log.contains("\"cache/tb"), "only ta is cached: {log}");
+    }
+}
+
+#[test]
 fn execute_all_batches_false_drops_the_batch_in_flight_at_each_epochs_end() {
     for world in [1, 2] {
         // Five batches an epoch, the fifth dropped: as if each epoch had four.
