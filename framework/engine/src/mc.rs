@@ -29,9 +29,8 @@ use crate::dist::SparseArch;
 use crate::error::EngineError;
 
 /// One module of a table.
+/// Its raw ids are block `i` of [`McTable::raw_block`] ids, `i` its index.
 struct Part {
-    /// Its raw ids.
-    raw: Range<u64>,
     /// Its rows of the table.
     rows: Range<u64>,
     module: ManagedCollision,
@@ -67,9 +66,9 @@ fn bad(table: &str, m: impl std::fmt::Display) -> EngineError {
     )))
 }
 
-/// Whether a plan's shards are one block of whole rows per partition.
-fn blocks_of(plan: Option<&trainrec_planner::TablePlan>, dim: usize) -> Option<TableSharding> {
-    let s = TableSharding::from_plan(plan?);
+/// A table's sharding in the plan when its shards hold whole rows (not data-parallel).
+fn blocks_of(plan: &trainrec_planner::TablePlan, dim: usize) -> Option<TableSharding> {
+    let s = TableSharding::from_plan(plan);
     let whole_rows = s.shards.iter().all(|sh| sh.cols == (0..dim));
     (s.sharding_type != ShardingType::DataParallel && !s.shards.is_empty() && whole_rows).then_some(s)
 }
@@ -82,7 +81,7 @@ impl McTable {
             .into_iter()
             .map(|p| {
                 let module = ManagedCollision::new(p.config).map_err(|m| bad(&self.name, m))?;
-                Ok(Part { raw: p.raw, rows: p.rows, module, here: true })
+                Ok(Part { rows: p.rows, module, here: true })
             })
             .collect::<Result<_, EngineError>>()?;
         Ok(())
@@ -115,11 +114,15 @@ impl McTable {
             self.push_resets(seed, ti, 0, rows, out);
             return;
         }
-        for pi in 0..self.parts.len() {
-            let raw = self.parts[pi].raw.clone();
-            let mut mine: Vec<Vec<i64>> =
-                features.iter().map(|f| f.iter().copied().filter(|&id| raw.contains(&(id as u64))).collect()).collect();
-            let mut slices: Vec<&mut [i64]> = mine.iter_mut().map(Vec::as_mut_slice).collect();
+        // One pass buckets the ids by part (in order), one buffer per (part, feature).
+        let mut mine: Vec<Vec<Vec<i64>>> = vec![vec![Vec::new(); features.len()]; self.parts.len()];
+        for (fi, f) in features.iter().enumerate() {
+            for &id in f.iter() {
+                mine[self.part_of(id)][fi].push(id);
+            }
+        }
+        for (pi, bufs) in mine.iter_mut().enumerate() {
+            let mut slices: Vec<&mut [i64]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
             let rows = self.parts[pi].module.train_step(&mut slices);
             self.push_resets(seed, ti, pi, rows, out);
         }
@@ -197,7 +200,7 @@ impl McTables {
             let tp = plan.tables.iter().find(|p| p.name == t.name);
             let row_blocks = tp
                 .filter(|p| matches!(p.sharding_type, ShardingType::RowWise | ShardingType::TableRowWise))
-                .and_then(|p| blocks_of(Some(p), t.dim))
+                .and_then(|p| blocks_of(p, t.dim))
                 .map_or(1, |s| s.shards.len() as u64);
             let keys = t.features.iter().map(|f| FeatureRef::parse(f).input.to_string()).collect();
             let mut table =
@@ -231,7 +234,7 @@ impl McTables {
         let me = s.group().rank();
         for t in &mut self.tables {
             let dim = recipe.tables.iter().find(|r| r.name == t.name).map_or(0, |r| r.dim);
-            let sharding = blocks_of(plan.tables.iter().find(|p| p.name == t.name), dim);
+            let sharding = plan.tables.iter().find(|p| p.name == t.name).and_then(|p| blocks_of(p, dim));
             let aligned = sharding.as_ref().filter(|s| {
                 s.shards.len() == t.parts.len() && s.shards.iter().zip(&t.parts).all(|(sh, p)| sh.rows == p.rows)
             });
