@@ -279,6 +279,13 @@ impl Core {
         Some(dispatch!(&self.groups[t.group], g => g.iter))
     }
 
+    /// Table `name`'s stochastic-rounding stream: its group's seed and its index in the group
+    /// (`None` for tables that round to nearest).
+    pub(crate) fn rounding_stream(&self, name: &str) -> Option<(u64, u64)> {
+        let t = &self.tables[self.table_index(name)?];
+        dispatch!(&self.groups[t.group], g => g.rounding_seed()).map(|seed| (seed, t.local as u64))
+    }
+
     /// Re-initialises rows of table `name` (uniform in the table's init bound, from `key`),
     /// optimizer state zero. Rows outside the table are an error (nothing changed).
     pub(crate) fn reset_rows(

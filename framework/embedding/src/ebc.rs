@@ -77,6 +77,15 @@ impl EmbeddingBagCollection {
         self.core.step_count(name)
     }
 
+    /// Where table `name`'s fp16/bf16 updates draw their stochastic-rounding bits: `(seed,
+    /// table)` such that row `r`'s stream at update `t` is keyed
+    /// `rounding_key(seed, t) ^ (table << 40) ^ r` (see [`crate::rounding_key`]). `None` when
+    /// the table rounds to nearest (fp32, or `stochastic_rounding = false`). Other kernels (the
+    /// CUDA engine) use it to round exactly like this collection.
+    pub fn rounding_stream(&self, name: &str) -> Option<(u64, u64)> {
+        self.core.rounding_stream(name)
+    }
+
     /// Re-initialises rows `rows` of table `name`: weights uniform in the table's init bound
     /// (`±1/sqrt(rows)`) drawn from `key` and each row, optimizer state zero. Managed
     /// collisions reset the rows whose slot changed hands this way.

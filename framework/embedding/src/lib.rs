@@ -32,8 +32,9 @@ pub use config::{
 };
 pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};
+pub use optim::{OptimizerKind, StepConstants};
 pub use position::PositionWeightedModule;
-pub use precision::Weight;
+pub use precision::{Weight, rounding_key};
 pub use tbe::RowBlock;
 
 /// Why an embedding operation failed.

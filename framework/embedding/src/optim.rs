@@ -49,6 +49,71 @@ fn sum_sq_l2(g: &[f32], w: &[f32], wd: f32) -> f32 {
     reduce(acc)
 }
 
+/// Which fused optimizer a step runs (row-wise Adagrad with its weight decay mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerKind {
+    /// Plain SGD.
+    Sgd,
+    /// Element-wise Adagrad.
+    Adagrad,
+    /// Exact row-wise Adagrad.
+    RowwiseAdagrad(WeightDecayMode),
+    /// Adam.
+    Adam,
+    /// Partial row-wise Adam (row-wise second moment).
+    PartialRowwiseAdam,
+    /// LAMB.
+    Lamb,
+}
+
+/// The constants of one fused-optimizer step, resolved on the host as the CPU kernels use
+/// them (other kernels, such as the CUDA engine's, take them as arguments and compute the
+/// same update).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepConstants {
+    /// The optimizer.
+    pub kind: OptimizerKind,
+    /// Learning rate.
+    pub lr: f32,
+    /// Epsilon (0 for SGD).
+    pub eps: f32,
+    /// Weight decay (0 where the optimizer has none).
+    pub weight_decay: f32,
+    /// First-moment decay (Adam, LAMB).
+    pub beta1: f32,
+    /// Second-moment decay (Adam, LAMB).
+    pub beta2: f32,
+    /// `1 - beta1^t` (1 where unused).
+    pub c1: f32,
+    /// `1 - beta2^t` (1 where unused).
+    pub c2: f32,
+}
+
+impl SparseOptimizerConfig {
+    /// The constants of update `t` (1 for the first; FBGEMM's `iter`).
+    pub fn step_constants(&self, t: u64) -> StepConstants {
+        let s = Step::new(self, t);
+        let kind = match s.opt {
+            Kind::Sgd => OptimizerKind::Sgd,
+            Kind::Adagrad => OptimizerKind::Adagrad,
+            Kind::Rowwise(mode) => OptimizerKind::RowwiseAdagrad(mode),
+            Kind::Adam => OptimizerKind::Adam,
+            Kind::PartialRowwiseAdam => OptimizerKind::PartialRowwiseAdam,
+            Kind::Lamb => OptimizerKind::Lamb,
+        };
+        StepConstants {
+            kind,
+            lr: s.lr,
+            eps: s.eps,
+            weight_decay: s.weight_decay,
+            beta1: s.beta1,
+            beta2: s.beta2,
+            c1: s.c1,
+            c2: s.c2,
+        }
+    }
+}
+
 /// One step's optimizer with its step-dependent constants resolved.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Step {

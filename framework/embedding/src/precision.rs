@@ -134,6 +134,12 @@ impl Weight for bf16 {
     }
 }
 
+/// The stochastic-rounding key of update `iter` (1 for the first) of a group seeded `seed`:
+/// row `r` of the group's table `t` draws from the stream keyed `key ^ (t << 40) ^ r`.
+pub fn rounding_key(seed: u64, iter: u64) -> u64 {
+    seed ^ iter.wrapping_mul(0xD6E8_FEB8_6659_FD93)
+}
+
 /// A cheap per-row stream of 16-bit uniforms (xorshift64*, seeded by splitmix64 of the row's
 /// key), so stochastic rounding is deterministic whatever the thread schedule.
 pub(crate) struct RowRng(u64);

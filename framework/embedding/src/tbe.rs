@@ -148,6 +148,11 @@ impl<T: Weight + Pod> Tbe<T> {
         Ok(Self { slots, weights, state, optimizer, stochastic: stochastic && size_of::<T>() < 4, seed, iter: 0 })
     }
 
+    /// The group's stochastic-rounding seed, when it rounds stochastically.
+    pub(crate) fn rounding_seed(&self) -> Option<u64> {
+        self.stochastic.then_some(self.seed)
+    }
+
     /// Fills table `t` uniform in `±bound`, deterministically from `key` (in parallel over
     /// blocks of rows, each with its own seeded generator).
     pub(crate) fn init_uniform(&mut self, t: usize, bound: f32, key: u64) {
@@ -325,7 +330,7 @@ impl<T: Weight + Pod> Tbe<T> {
                 start = end;
             }
         }
-        let rng_key = self.stochastic.then(|| self.seed ^ self.iter.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        let rng_key = self.stochastic.then(|| crate::precision::rounding_key(self.seed, self.iter));
         if threads <= 1 {
             jobs.into_iter().for_each(|job| job.run(&step, grad, rng_key));
         } else {
