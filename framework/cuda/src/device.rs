@@ -40,8 +40,8 @@ pub fn probe(device: usize) -> Result<GpuInfo, CudaError> {
     // SAFETY: only tries to open the library (dlopen); no symbol is called.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(CudaError::Unavailable(
-            "the CUDA driver library (libcuda.so) is not on this machine: topology.compute_device = \"cuda\" needs an \
-             NVIDIA GPU and its driver"
+            "the CUDA driver library (libcuda.so) is not on this machine: the CUDA engine needs an NVIDIA GPU and its \
+             driver"
                 .into(),
         ));
     }
@@ -326,6 +326,49 @@ impl CudaEbc {
             return Ok(Vec::new());
         }
         self.stream.clone_dtoh(&t.state).map_err(driver("cuMemcpyDtoH"))
+    }
+
+    /// Updates applied so far to table `name`.
+    pub fn step_count(&self, name: &str) -> Result<u64, CudaError> {
+        Ok(self.table(name)?.iter)
+    }
+
+    /// Replaces table `name`'s weights (fp32 values, rounded to nearest in its precision),
+    /// optimizer state (empty: zero) and step count, e.g. from a checkpoint.
+    pub fn load_table(&mut self, name: &str, weights: &[f32], state: &[f32], steps: u64) -> Result<(), CudaError> {
+        let i = self
+            .tables
+            .iter()
+            .position(|t| t.spec.name == name)
+            .ok_or_else(|| CudaError::Unsupported(format!("no table \"{name}\" in this collection")))?;
+        let spec = self.tables[i].spec.clone();
+        let (n, ns) = (spec.rows as usize * spec.dim, spec.rows as usize * spec.state_per_row);
+        if weights.len() != n || !(state.is_empty() || state.len() == ns) {
+            return Err(CudaError::Unsupported(format!(
+                "table \"{name}\": {} weights and {} state values given, expected {n} and {ns}",
+                weights.len(),
+                state.len()
+            )));
+        }
+        let up = driver("cuMemcpyHtoD");
+        let t = &mut self.tables[i];
+        match (&mut t.weights, host::to_stored(spec.precision, weights)) {
+            (Weights::F32(w), StoredWeights::F32(v)) => self.stream.memcpy_htod(&v, w).map_err(&up)?,
+            (Weights::Bits(w), StoredWeights::Bits(v)) => self.stream.memcpy_htod(&v, w).map_err(&up)?,
+            _ => unreachable!("a table's stored form follows its precision"),
+        }
+        if ns > 0 {
+            let zeros;
+            let state = if state.is_empty() {
+                zeros = vec![0f32; ns];
+                &zeros[..]
+            } else {
+                state
+            };
+            self.stream.memcpy_htod(state, &mut t.state).map_err(&up)?;
+        }
+        t.iter = steps;
+        Ok(())
     }
 
     /// Copies every table, its optimizer state and step count back into `ebc` (the

@@ -162,7 +162,7 @@ impl Layout {
                 }
             }
         }
-        list.sort_by_key(|o| o.0);
+        radix_sort_by_row(&mut list, table.rows);
         let mut out = Occurrences::default();
         out.src.reserve(list.len());
         out.scale.reserve(list.len());
@@ -176,6 +176,34 @@ impl Layout {
         }
         out.seg.push(list.len() as u32);
         out
+    }
+}
+
+/// Stable LSD radix sort of occurrences by row (11-bit digits over the bits `rows` needs).
+fn radix_sort_by_row(v: &mut Vec<(u32, u32, f32)>, rows: u64) {
+    if v.len() < 256 {
+        v.sort_by_key(|o| o.0);
+        return;
+    }
+    const BITS: u32 = 11;
+    let key_bits = 64 - rows.saturating_sub(1).leading_zeros();
+    let mut tmp = vec![(0u32, 0u32, 0f32); v.len()];
+    let mut counts = vec![0usize; 1 << BITS];
+    for pass in 0..key_bits.div_ceil(BITS).max(1) {
+        let shift = pass * BITS;
+        let digit = |o: &(u32, u32, f32)| ((o.0 >> shift) as usize) & ((1 << BITS) - 1);
+        counts.iter_mut().for_each(|c| *c = 0);
+        v.iter().for_each(|o| counts[digit(o)] += 1);
+        let mut sum = 0;
+        for c in counts.iter_mut() {
+            (*c, sum) = (sum, sum + *c);
+        }
+        for o in v.iter() {
+            let d = digit(o);
+            tmp[counts[d]] = *o;
+            counts[d] += 1;
+        }
+        std::mem::swap(v, &mut tmp);
     }
 }
 
@@ -312,5 +340,24 @@ pub fn suffix(precision: WeightPrecision) -> &'static str {
         WeightPrecision::Fp32 => "f32",
         WeightPrecision::Fp16 => "f16",
         WeightPrecision::Bf16 => "bf16",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn radix_sort_is_a_stable_sort_by_row() {
+        let mut rng = StdRng::seed_from_u64(3);
+        for rows in [1u64, 300, 5000, 3_000_000] {
+            let mut v: Vec<(u32, u32, f32)> =
+                (0..4000u32).map(|i| (rng.random_range(0..rows) as u32, i, i as f32)).collect();
+            let mut want = v.clone();
+            want.sort_by_key(|o| o.0);
+            super::radix_sort_by_row(&mut v, rows);
+            assert_eq!(v, want, "rows {rows}");
+        }
     }
 }

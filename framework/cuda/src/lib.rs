@@ -14,6 +14,8 @@
 //! - Nothing here needs CUDA to build. At run time [`probe`] says what is missing (driver,
 //!   GPU, NVRTC) as an error instead of cudarc's panic on a failed library load.
 
+pub mod bench;
+pub mod check;
 mod device;
 pub mod host;
 mod nvrtc;

@@ -4,13 +4,13 @@
 
 use std::ffi::c_void;
 
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use trainrec_cuda::check;
 use trainrec_cuda::host::{Layout, StepArgs, StoredWeights, from_stored, grid, to_stored};
 use trainrec_cuda_emu::Precision;
 use trainrec_embedding::{
-    BoundsCheckMode, EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightDecayMode,
-    WeightPrecision,
+    EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, WeightPrecision,
 };
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -115,26 +115,14 @@ impl Emu {
     }
 }
 
-fn random_kjt(rng: &mut StdRng, keys: &[&str], rows: &[u64], batch: usize, weighted: bool) -> KeyedJaggedTensor {
-    let mut values = Vec::new();
-    let mut lengths = Vec::new();
-    for &r in rows {
-        // Few distinct ids (duplicates within and across bags), empty bags.
-        let hot = (r as usize).min(9);
-        for _ in 0..batch {
-            let len = rng.random_range(0..6u32);
-            lengths.push(len);
-            for _ in 0..len {
-                values.push(if rng.random_bool(0.7) {
-                    rng.random_range(0..hot) as i64
-                } else {
-                    rng.random_range(0..r) as i64
-                });
-            }
-        }
+fn sgd_case(precision: WeightPrecision, mean: bool) -> check::Case {
+    check::Case {
+        optimizer: SparseOptimizerConfig::Sgd { lr: 0.1 },
+        precision,
+        mean,
+        weighted: false,
+        stochastic: false,
     }
-    let weights = weighted.then(|| values.iter().map(|_| rng.random_range(-1.5f32..2.0)).collect());
-    KeyedJaggedTensor::new(keys.iter().map(|k| k.to_string()).collect(), values, weights, lengths, batch).unwrap()
 }
 
 /// Equal bit for bit (NaN patterns included); the first difference otherwise.
@@ -151,94 +139,42 @@ fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
-fn optimizers() -> Vec<SparseOptimizerConfig> {
-    use SparseOptimizerConfig as O;
-    vec![
-        O::Sgd { lr: 0.3 },
-        O::Adagrad { lr: 0.2, eps: 1e-6 },
-        O::RowwiseAdagrad { lr: 0.2, eps: 1e-8, weight_decay: 0.0, weight_decay_mode: WeightDecayMode::None },
-        O::RowwiseAdagrad { lr: 0.2, eps: 1e-8, weight_decay: 0.05, weight_decay_mode: WeightDecayMode::L2 },
-        O::RowwiseAdagrad { lr: 0.2, eps: 1e-8, weight_decay: 0.05, weight_decay_mode: WeightDecayMode::Decoupled },
-        O::Adam { lr: 0.05, eps: 1e-8, beta1: 0.9, beta2: 0.999, weight_decay: 0.01 },
-        O::PartialRowwiseAdam { lr: 0.05, eps: 1e-8, beta1: 0.9, beta2: 0.999, weight_decay: 0.01 },
-        O::Lamb { lr: 0.05, eps: 1e-6, beta1: 0.9, beta2: 0.999, weight_decay: 0.01 },
-    ]
-}
-
-fn collection(
-    opt: &SparseOptimizerConfig,
-    precision: WeightPrecision,
-    mean: bool,
-    stochastic: bool,
-) -> EmbeddingBagCollection {
-    let pooling = if mean { PoolingMode::Mean } else { PoolingMode::Sum };
-    // dims 8, 40 (not a multiple of 8: the row sums' tails) and 70 (three lanes' strides);
-    // table "b" serves two features.
-    let mut tables = vec![
-        EmbeddingBagConfig::new("a", 11, 8, pooling, &["fa"]),
-        EmbeddingBagConfig::new("b", 30, 40, pooling, &["fb", "fc"]),
-        EmbeddingBagConfig::new("c", 17, 70, PoolingMode::Sum, &["fd"]),
-    ];
-    for t in &mut tables {
-        t.precision = precision;
-        t.stochastic_rounding = stochastic;
-    }
-    let mut ebc = EmbeddingBagCollection::new(tables, opt.clone(), 7).unwrap();
-    ebc.set_bounds_check(BoundsCheckMode::Ignore);
-    ebc
-}
-
 #[test]
 fn kernels_train_bit_for_bit_like_the_cpu_collection() {
-    let mut rng = StdRng::seed_from_u64(11);
     let mut checked = 0;
-    for (oi, opt) in optimizers().iter().enumerate() {
-        for (pi, precision) in
-            [WeightPrecision::Fp32, WeightPrecision::Fp16, WeightPrecision::Bf16].into_iter().enumerate()
-        {
-            let mean = (oi + pi) % 2 == 0;
-            let weighted = (oi + pi) % 3 != 0;
-            let stochastic = precision != WeightPrecision::Fp32 && oi % 2 == 0;
-            let case = format!("{opt:?} {precision:?} mean={mean} weighted={weighted} stochastic={stochastic}");
-            let mut cpu = collection(opt, precision, mean, stochastic);
-            // A small grid: warps loop over several bags / rows.
-            let mut emu = Emu::of(&cpu, 2);
-            for step in 0..3 {
-                let mut kjt = random_kjt(&mut rng, &["fa", "fb", "fc", "fd"], &[11, 30, 30, 17], 13, weighted);
-                if step == 2 {
-                    // Out-of-range ids read and update row 0 (bounds check `ignore`).
-                    kjt.values_per_key_mut()[0].iter_mut().take(2).for_each(|v| *v = 99);
-                }
-                let mut out = vec![0f32; kjt.stride() * cpu.width()];
-                cpu.forward_into(&kjt, &mut out).unwrap();
-                let got = emu.forward(&kjt);
-                assert_same_bits(&got, &out, &format!("{case}: forward of step {step}"));
-                let grad: Vec<f32> = (0..out.len()).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                cpu.backward_and_update(&kjt, &grad).unwrap();
-                emu.backward(&kjt, &grad);
-                for (t, spec) in emu.layout.tables.iter().enumerate() {
-                    let want = cpu.table_weights(&spec.name).unwrap();
-                    let got = from_stored(spec.precision, &emu.weights[t]);
-                    assert_same_bits(&got, &want, &format!("{case}: table {} after step {step}", spec.name));
-                    let want = cpu.optimizer_state(&spec.name).unwrap_or_default();
-                    assert_same_bits(
-                        &emu.state[t],
-                        &want,
-                        &format!("{case}: state of {} after step {step}", spec.name),
-                    );
-                    assert_eq!(emu.iter[t], cpu.step_count(&spec.name).unwrap());
-                    checked += 1;
-                }
+    for (i, case) in check::cases().iter().enumerate() {
+        // The GPU check's seeds (trainrec device-check).
+        let mut rng = StdRng::seed_from_u64(11 + i as u64);
+        let mut cpu = check::collection(case);
+        // A small grid: warps loop over several bags / rows.
+        let mut emu = Emu::of(&cpu, 2);
+        for step in 0..check::STEPS {
+            let kjt = check::batch(&mut rng, case.weighted, step);
+            let mut out = vec![0f32; kjt.stride() * cpu.width()];
+            cpu.forward_into(&kjt, &mut out).unwrap();
+            let got = emu.forward(&kjt);
+            assert_same_bits(&got, &out, &format!("{case}: forward of step {step}"));
+            let grad = check::gradient(&mut rng, &kjt, cpu.width());
+            cpu.backward_and_update(&kjt, &grad).unwrap();
+            emu.backward(&kjt, &grad);
+            for (t, spec) in emu.layout.tables.iter().enumerate() {
+                let want = cpu.table_weights(&spec.name).unwrap();
+                let got = from_stored(spec.precision, &emu.weights[t]);
+                assert_same_bits(&got, &want, &format!("{case}: table {} after step {step}", spec.name));
+                let want = cpu.optimizer_state(&spec.name).unwrap_or_default();
+                assert_same_bits(&emu.state[t], &want, &format!("{case}: state of {} after step {step}", spec.name));
+                assert_eq!(emu.iter[t], cpu.step_count(&spec.name).unwrap());
+                checked += 1;
             }
         }
     }
-    assert_eq!(checked, 8 * 3 * 3 * 3);
+    assert_eq!(checked, 8 * 3 * check::STEPS * 3);
 }
 
 #[test]
 fn gather_copies_rows_and_reads_row_zero_for_bad_ids() {
     for precision in [WeightPrecision::Fp32, WeightPrecision::Fp16, WeightPrecision::Bf16] {
-        let cpu = collection(&SparseOptimizerConfig::Sgd { lr: 0.1 }, precision, false, false);
+        let cpu = check::collection(&sgd_case(precision, false));
         let w = cpu.table_weights("c").unwrap();
         let mut stored = to_stored(precision, &w);
         let ids = [3i64, 16, 3, -1, 17, 0, 5];
@@ -257,7 +193,7 @@ fn gather_copies_rows_and_reads_row_zero_for_bad_ids() {
 #[test]
 fn occurrences_are_sorted_by_row_in_the_cpu_engines_order() {
     // Table b (dim 40) serves fb then fc; the output's columns: fa 0..8, fb 8..48, fc 48..88.
-    let cpu = collection(&SparseOptimizerConfig::Sgd { lr: 0.1 }, WeightPrecision::Fp32, true, false);
+    let cpu = check::collection(&sgd_case(WeightPrecision::Fp32, true));
     let layout = Layout::of(&cpu).unwrap();
     assert_eq!(layout.width, 8 + 40 + 40 + 70);
     // batch 2: fb = [[5, 2], [5]], fc = [[2], []]; weighted.

@@ -77,7 +77,8 @@ pub fn cpu_snapshot() -> Option<(Instant, f64, f64)> {
     Some((Instant::now(), busy / 100.0, own / 100.0))
 }
 
-fn others_busy(a: Option<(Instant, f64, f64)>, b: Option<(Instant, f64, f64)>) -> Value {
+/// Cores other processes kept busy between two [`cpu_snapshot`]s.
+pub fn others_busy(a: Option<(Instant, f64, f64)>, b: Option<(Instant, f64, f64)>) -> Value {
     match (a, b) {
         (Some((t0, b0, s0)), Some((t1, b1, s1))) => {
             let wall = (t1 - t0).as_secs_f64().max(1e-9);
@@ -87,7 +88,8 @@ fn others_busy(a: Option<(Instant, f64, f64)>, b: Option<(Instant, f64, f64)>) -
     }
 }
 
-fn summarize(ts: &[f64]) -> Value {
+/// Median, min and max of step times (seconds), and their count: the benchmarks' `step` object.
+pub fn summarize(ts: &[f64]) -> Value {
     let mut s = ts.to_vec();
     s.sort_by(f64::total_cmp);
     let n = s.len();
@@ -95,7 +97,8 @@ fn summarize(ts: &[f64]) -> Value {
     json!({"median_s": median, "min_s": s[0], "max_s": s[n - 1], "n": n})
 }
 
-fn rate(ts: &[f64], per_step: f64) -> Value {
+/// `per_step` per second at the median, best and worst step time.
+pub fn rate(ts: &[f64], per_step: f64) -> Value {
     let s = summarize(ts);
     json!({
         "median": per_step / s["median_s"].as_f64().unwrap_or(f64::NAN),
@@ -106,7 +109,7 @@ fn rate(ts: &[f64], per_step: f64) -> Value {
 
 /// Generates the id batches: `[tables][batch * pooling]` each, and the mean unique rows
 /// per table.
-fn make_batches(a: &EbcBench, rng: &mut StdRng) -> (Vec<KeyedJaggedTensor>, f64) {
+pub fn make_batches(a: &EbcBench, rng: &mut StdRng) -> (Vec<KeyedJaggedTensor>, f64) {
     let n = a.batch * a.pooling;
     let rows = a.rows;
     let zipf = match a.dist {
@@ -168,6 +171,20 @@ fn make_batches(a: &EbcBench, rng: &mut StdRng) -> (Vec<KeyedJaggedTensor>, f64)
     (batches, uniq / (a.num_batches * a.tables) as f64)
 }
 
+/// A step's lookups, unique rows, and the least bytes its forward and its backward + update
+/// move (fp32 weights; `uniq`: mean unique rows per table): the forward reads each looked-up
+/// row, its id, and writes the output; the update reads the gradient and each id again, and
+/// reads and writes each unique row and its optimizer state.
+pub fn min_bytes(a: &EbcBench, uniq: f64) -> (f64, f64, f64, f64) {
+    let (t, b, l, d) = (a.tables as f64, a.batch as f64, a.pooling as f64, a.dim as f64);
+    let lookups = t * b * l;
+    let uniq_rows = uniq * t;
+    let spr = a.optimizer.state_per_row(a.dim) as f64;
+    let bytes_fwd = lookups * d * 4.0 + b * t * d * 4.0 + lookups * 8.0;
+    let bytes_bwd = uniq_rows * (2.0 * d * 4.0 + 2.0 * 4.0 * spr) + b * t * d * 4.0 + lookups * 8.0;
+    (lookups, uniq_rows, bytes_fwd, bytes_bwd)
+}
+
 /// Runs the benchmark; the result is the JSON object `trainrec bench ebc` prints.
 pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
     if a.tables == 0 || a.rows == 0 || a.dim == 0 || a.batch == 0 || a.steps == 0 || a.num_batches == 0 {
@@ -226,12 +243,8 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
             Some(interval) => Some(time_mc(a, interval, &batches, &grad, &mut ebc, &ts)?),
             None => None,
         };
-        let (t, b, l, d) = (a.tables as f64, a.batch as f64, a.pooling as f64, a.dim as f64);
-        let lookups = t * b * l;
-        let uniq_rows = uniq * t;
-        let spr = a.optimizer.state_per_row(a.dim) as f64;
-        let bytes_fwd = lookups * d * 4.0 + b * t * d * 4.0 + lookups * 8.0;
-        let bytes_bwd = uniq_rows * (2.0 * d * 4.0 + 2.0 * 4.0 * spr) + b * t * d * 4.0 + lookups * 8.0;
+        let b = a.batch as f64;
+        let (lookups, uniq_rows, bytes_fwd, bytes_bwd) = min_bytes(a, uniq);
         let step_s = summarize(&ts);
         let median = step_s["median_s"].as_f64().unwrap_or(f64::NAN);
         let fwd_s = (!fwd.is_empty()).then(|| summarize(&fwd));

@@ -36,6 +36,8 @@ pub(crate) enum SparseArch {
     Sharded(Box<ShardedEbc>),
     /// Inference tables quantized from a one-rank collection (no training).
     Quantized(Box<trainrec_embedding::quant::QuantizedEbc>),
+    /// Every table in the memory of this (only) rank's GPU.
+    Cuda(Box<trainrec_cuda::CudaEbc>),
 }
 
 /// `kjt` with one bag per example: a variable-batch (VBE) KJT expanded by its
@@ -89,6 +91,18 @@ impl SparseArch {
                 q.forward_into(&kjt, out)?;
                 Ok((t, None))
             }
+            Self::Cuda(gpu) => {
+                let kjt = full_batch(kjt)?;
+                let (b, w) = (kjt.stride(), gpu.width());
+                let t = Tensor::empty([b as i64, w as i64], (tch::Kind::Float, tch::Device::Cuda(gpu.info().device)));
+                if b * w > 0 {
+                    // SAFETY: `t` is a new contiguous float tensor of `b * w` elements on the
+                    // collection's GPU; the kernels run on the default stream, before any later
+                    // libtorch work on it (libtorch's default stream is the same stream).
+                    unsafe { gpu.forward_into_raw(&kjt, t.data_ptr() as u64)? };
+                }
+                Ok((t, None))
+            }
         }
     }
 
@@ -97,7 +111,7 @@ impl SparseArch {
         match self {
             Self::Local(ebc) => ebc.discard_prefetched(),
             Self::Sharded(s) => s.discard_prefetched(),
-            Self::Quantized(_) => {}
+            Self::Quantized(_) | Self::Cuda(_) => {}
         }
     }
 
@@ -111,7 +125,7 @@ impl SparseArch {
                 Some(local) => local,
                 None => return out,
             },
-            Self::Quantized(_) => return out,
+            Self::Quantized(_) | Self::Cuda(_) => return out,
         };
         for t in ebc.table_configs() {
             if let Some(s) = ebc.cache_stats(&t.name) {
@@ -150,6 +164,25 @@ impl SparseArch {
                 return Err(EngineError::Internal("sharded backward without its forward's context".into()));
             }
             (Self::Quantized(_), _) => return Err(Self::inference_only()),
+            (Self::Cuda(gpu), _) => {
+                let kjt = full_batch(kjt)?;
+                let device = tch::Device::Cuda(gpu.info().device);
+                let g = grad.to_device(device).to_kind(tch::Kind::Float).contiguous();
+                if g.numel() != kjt.stride() * gpu.width() {
+                    return Err(EngineError::Internal(format!(
+                        "pooled gradient has {} values, expected {}",
+                        g.numel(),
+                        kjt.stride() * gpu.width()
+                    )));
+                }
+                if g.numel() > 0 {
+                    // SAFETY: `g` is a contiguous float tensor of batch * width values on the
+                    // collection's GPU, alive until this call returns; the kernels read it on
+                    // the default stream, in order with libtorch's work that produced it and
+                    // before any later reuse of its memory.
+                    unsafe { gpu.backward_and_update_raw(&kjt, g.data_ptr() as u64)? };
+                }
+            }
         }
         Ok(None)
     }
@@ -172,6 +205,21 @@ impl SparseArch {
                 .collect(),
             Self::Sharded(s) => s.local_shards(),
             Self::Quantized(_) => Vec::new(),
+            Self::Cuda(gpu) => gpu
+                .layout()
+                .tables
+                .iter()
+                .map(|t| trainrec_dist::LocalShard {
+                    table: t.name.clone(),
+                    table_shape: [t.rows as usize, t.dim],
+                    rows: 0..t.rows,
+                    cols: 0..t.dim,
+                    replicated: false,
+                    weights: gpu.table_weights(&t.name).unwrap_or_default(),
+                    optimizer_state: gpu.optimizer_state(&t.name).unwrap_or_default(),
+                    step_count: gpu.step_count(&t.name).unwrap_or(0),
+                })
+                .collect(),
         }
     }
 
@@ -190,6 +238,11 @@ impl SparseArch {
             }
             Self::Sharded(sh) => sh.load_local_shards(shards)?,
             Self::Quantized(_) => return Err(Self::inference_only()),
+            Self::Cuda(gpu) => {
+                for s in shards {
+                    gpu.load_table(&s.table, &s.weights, &s.optimizer_state, s.step_count)?;
+                }
+            }
         }
         Ok(())
     }
@@ -200,6 +253,9 @@ impl SparseArch {
             Self::Local(ebc) => ebc.reset_rows(name, rows, key)?,
             Self::Sharded(s) => s.reset_rows(name, rows, key)?,
             Self::Quantized(_) => return Err(Self::inference_only()),
+            Self::Cuda(_) => {
+                return Err(EngineError::Internal("managed collisions do not run on CUDA (refused at build)".into()));
+            }
         }
         Ok(())
     }
@@ -210,6 +266,7 @@ impl SparseArch {
             Self::Local(ebc) => Ok(ebc.table_weights(name)),
             Self::Sharded(s) => Ok(Some(s.table_weights(name)?)),
             Self::Quantized(q) => Ok(q.dequantized(name)),
+            Self::Cuda(gpu) => Ok(gpu.table_weights(name).ok()),
         }
     }
 }

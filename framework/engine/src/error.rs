@@ -23,6 +23,9 @@ pub enum EngineError {
     /// A collective across ranks failed (a peer left, timed out or diverged).
     #[error("distributed: {0}")]
     Dist(#[from] trainrec_dist::DistError),
+    /// The CUDA engine failed.
+    #[error("cuda: {0}")]
+    Cuda(#[from] trainrec_cuda::CudaError),
     /// libtorch reported an error.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),

@@ -122,7 +122,7 @@ impl RecallAtK {
             return Err(EngineError::Internal(format!("eval batch lacks feature {}", self.input)));
         };
         let f = sparse_ids.feature(k);
-        let y: Vec<f32> = Vec::try_from(labels.select(1, 0).contiguous())
+        let y: Vec<f32> = Vec::try_from(labels.select(1, 0).to_device(tch::Device::Cpu).contiguous())
             .map_err(|e| EngineError::Internal(format!("labels: {e}")))?;
         // Positive pairs whose candidate is one id.
         let (rows, truth): (Vec<i64>, Vec<i64>) = (0..batch.batch_size)
@@ -132,14 +132,14 @@ impl RecallAtK {
         if rows.is_empty() {
             return Ok(());
         }
-        let rows_t = Tensor::from_slice(&rows);
+        let rows_t = Tensor::from_slice(&rows).to_device(dense.device());
         let kmax = (*self.ks.iter().max().unwrap_or(&1) as i64).min(self.corpus.size()[0]);
         let top = tch::no_grad(|| {
             let q = retrieval.query_embeddings(&dense.index_select(0, &rows_t), &sparse.index_select(0, &rows_t));
             q.matmul(&self.corpus.transpose(0, 1)).topk(kmax, 1, true, true).1
         });
-        let top: Vec<i64> =
-            Vec::try_from(top.contiguous().view([-1])).map_err(|e| EngineError::Internal(format!("top-k: {e}")))?;
+        let top: Vec<i64> = Vec::try_from(top.to_device(tch::Device::Cpu).contiguous().view([-1]))
+            .map_err(|e| EngineError::Internal(format!("top-k: {e}")))?;
         for (i, &t) in truth.iter().enumerate() {
             let ranked = &top[i * kmax as usize..(i + 1) * kmax as usize];
             if let Some(rank) = ranked.iter().position(|&c| c == t) {
@@ -249,23 +249,16 @@ impl Job {
         }
         let topo = &recipe.topology;
         let ranks = pg.as_ref().map_or(1, |g| g.world_size());
-        if topo.compute_device != trainrec_planner::ComputeDevice::Cpu || topo.world_size != ranks {
-            let (key, message, help) = if topo.compute_device != trainrec_planner::ComputeDevice::Cpu {
-                (
-                    "compute_device",
-                    format!("trainrec trains on CPU ranks; this recipe asks for {}", topo.compute_device.name()),
-                    "`trainrec plan` plans for it; training on GPUs is not built yet",
-                )
-            } else {
-                (
-                    "world_size",
-                    format!("the recipe asks for {} ranks but this job has {ranks}", topo.world_size),
-                    "`trainrec run` starts one rank per `topology.world_size`",
-                )
-            };
-            let d =
-                trainrec_recipe::Diagnostic::new(trainrec_recipe::KeyPath::root().key("topology").key(key), message)
-                    .with_help(help);
+        let device = match topo.compute_device {
+            trainrec_planner::ComputeDevice::Cuda => crate::cuda::prepare(&recipe, loaded, ranks)?,
+            trainrec_planner::ComputeDevice::Cpu => Device::Cpu,
+        };
+        if topo.world_size != ranks {
+            let d = trainrec_recipe::Diagnostic::new(
+                trainrec_recipe::KeyPath::root().key("topology").key("world_size"),
+                format!("the recipe asks for {} ranks but this job has {ranks}", topo.world_size),
+            )
+            .with_help("`trainrec run` starts one rank per `topology.world_size`");
             return Err(EngineError::Recipe(loaded.locate(vec![d])));
         }
         let (rank, world_size) = pg.as_ref().map_or((0, 1), |g| (g.rank(), g.world_size()));
@@ -285,7 +278,7 @@ impl Job {
             SamplerContext { feature_rows, base_dir: loaded.base_dir.clone(), seed: recipe.run.seed, rank, world_size };
         let sampler = factory.build(&recipe.data.sampler.config(), &ctx)?;
 
-        let vs = nn::VarStore::new(Device::Cpu);
+        let vs = nn::VarStore::new(device);
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
         let mut plugin_metrics = BTreeMap::new();
         for m in &recipe.metrics {
@@ -340,7 +333,15 @@ impl Job {
                     recipe.run.seed,
                 )?;
                 ebc.set_bounds_check(recipe.embedding.bounds_check);
-                (SparseArch::Local(Box::new(ebc)), None)
+                match device {
+                    // The tables start from the CPU collection's values, then live on the GPU.
+                    Device::Cuda(gpu) => {
+                        let mut on_gpu = trainrec_cuda::CudaEbc::from_cpu(&ebc, gpu)?;
+                        on_gpu.set_bounds_check(recipe.embedding.bounds_check);
+                        (SparseArch::Cuda(Box::new(on_gpu)), None)
+                    }
+                    _ => (SparseArch::Local(Box::new(ebc)), None),
+                }
             }
         };
         let retrieval =
@@ -397,16 +398,17 @@ impl Job {
                 ),
             }));
         }
-        let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?;
+        let device = self.vs.device();
+        let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?.to_device(device);
         let (sparse, ctx) = self.sparse.forward(&batch.sparse, staged)?;
         // [batch, tasks]: each task's label column (all columns, in order, need no selection).
-        let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?;
+        let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?.to_device(device);
         let identity = self.tasks.len() == self.num_labels && self.tasks.iter().enumerate().all(|(t, &(_, c))| t == c);
         let labels = if identity {
             labels
         } else {
             let columns: Vec<i64> = self.tasks.iter().map(|&(_, c)| c as i64).collect();
-            labels.f_index_select(1, &Tensor::from_slice(&columns))?
+            labels.f_index_select(1, &Tensor::from_slice(&columns).to_device(device))?
         };
         Ok((dense, sparse, labels, ctx))
     }
@@ -527,7 +529,7 @@ impl Job {
         }
         let predictions = match logits {
             Some(logits) if want_predictions => {
-                let p = logits.detach().sigmoid().to_kind(Kind::Float).contiguous().view([-1]);
+                let p = logits.detach().sigmoid().to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]);
                 Some(Vec::try_from(&p).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?)
             }
             _ => None,
@@ -681,7 +683,9 @@ impl Job {
             };
             let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
             let (dense, sparse, labels, _) = self.tensors(&batch, staged)?;
-            let probs = tch::no_grad(|| self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float));
+            let probs = tch::no_grad(|| {
+                self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float).to_device(Device::Cpu)
+            });
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
             seen += self.feed_all_ranks(&mut suites, &probs, &batch)? as u64;

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_pipeline;
 pub mod check;
 pub mod checkpoint;
+mod cuda;
 pub mod dist;
 pub mod dmp;
 pub mod error;

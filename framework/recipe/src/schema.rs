@@ -110,7 +110,10 @@ pub struct TopologySection {
     /// Ranks per host. Default: `world_size` (one host).
     #[serde(default)]
     pub local_world_size: Option<usize>,
-    /// Device running the embedding kernels: `cpu` (tables in DDR) or `cuda` (tables in HBM).
+    /// Device running the job: `cpu` (tables in DDR), or `cuda`: the dense model and the tables
+    /// on GPU 0 (HBM), trainrec's CUDA kernels; one rank for now, and it needs an NVIDIA GPU, its
+    /// driver, NVRTC and a CUDA build of libtorch 2.11 on the library path (see the GPUs
+    /// chapter). `trainrec plan` plans for `cuda` at any world size.
     #[serde(default)]
     pub compute_device: ComputeDevice,
     /// Device memory per rank, GiB. Default: 32 on `cuda`, 0 on `cpu`.

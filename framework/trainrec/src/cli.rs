@@ -144,6 +144,18 @@ pub enum Command {
         /// A run directory written by `trainrec run` (holding `metrics.jsonl`).
         run_dir: PathBuf,
     },
+    /// Checks the CUDA embedding kernels on a GPU: every fused optimizer over fp32, fp16 and
+    /// bf16 weights against the CPU engine (bit for bit), then W1 (`bench ebc`) on the GPU.
+    /// Prints a table on stderr and one JSON line on stdout; without a GPU, an error naming
+    /// what is missing.
+    DeviceCheck {
+        /// GPU ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Timed W1 steps (0 skips the benchmark).
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+    },
     /// Benchmarks; each prints one JSON line on stdout (logs on stderr).
     Bench {
         /// Which benchmark.
@@ -608,6 +620,13 @@ pub struct EbcArgs {
     /// JSON). Needs `--fwd-steps`.
     #[arg(long)]
     pub quant: bool,
+    /// Where the tables live: `cpu` (the CPU engine) or `cuda` (GPU memory, the CUDA kernels;
+    /// `--mc-interval` and `--quant` are CPU-only).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// GPU ordinal with `--device cuda`.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
 }
 
 impl EbcArgs {
@@ -804,7 +823,11 @@ pub fn main_with(registry: Registry) -> ExitCode {
             };
             print_bench(trainrec_data::bench_readers(&options).map(|r| r.to_json()))
         }
-        Command::Bench { which: BenchCommand::Ebc(args) } => print_bench(trainrec_embedding::bench::run(&args.bench())),
+        Command::Bench { which: BenchCommand::Ebc(args) } => match args.device {
+            DeviceArg::Cpu => print_bench(trainrec_embedding::bench::run(&args.bench())),
+            DeviceArg::Cuda => print_bench(trainrec_cuda::bench::run(&args.bench(), args.gpu)),
+        },
+        Command::DeviceCheck { device, steps } => print_bench(device_check(device, steps)),
         Command::Bench { which: BenchCommand::Dist(a) } => {
             let b = trainrec_dist::bench::DistBench {
                 tables: a.tables,
@@ -959,6 +982,50 @@ fn bench_pipeline(b: &trainrec_engine::bench_pipeline::PipelineBench, world: usi
         ));
     }
     print_bench(trainrec_engine::bench_pipeline::run_threads(b, world))
+}
+
+/// `trainrec device-check`: the kernels against the CPU engine on GPU `device`, then W1 there.
+fn device_check(device: usize, steps: usize) -> Result<serde_json::Value, trainrec_cuda::CudaError> {
+    let info = trainrec_cuda::probe(device)?;
+    eprintln!(
+        "GPU {device}: {} (compute capability {}.{}), NVRTC from {}",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.nvrtc.as_ref().map_or("the library path".into(), |p| p.display().to_string())
+    );
+    let check = trainrec_cuda::check::run_on_gpu(device)?;
+    eprintln!("{:<100} {:>10} {:>10} {:>10}  bits", "case", "fwd diff", "w diff", "state diff");
+    for c in check["cases"].as_array().into_iter().flatten() {
+        eprintln!(
+            "{:<100} {:>10.2e} {:>10.2e} {:>10.2e}  {}",
+            c["case"].as_str().unwrap_or(""),
+            c["forward_max_abs_diff"].as_f64().unwrap_or(f64::NAN),
+            c["weights_max_abs_diff"].as_f64().unwrap_or(f64::NAN),
+            c["state_max_abs_diff"].as_f64().unwrap_or(f64::NAN),
+            if c["bit_identical"].as_bool() == Some(true) { "identical" } else { "DIFFER" }
+        );
+    }
+    eprintln!("{} of {} cases bit-identical to the CPU engine", check["bit_identical"], check["total"]);
+    let w1 = if steps > 0 {
+        /// W1's default flags.
+        #[derive(Parser)]
+        struct W1 {
+            #[command(flatten)]
+            args: EbcArgs,
+        }
+        let w1 = W1::parse_from(["ebc", "--steps", &steps.to_string()]);
+        let r = trainrec_cuda::bench::run(&w1.args.bench(), device)?;
+        eprintln!(
+            "W1 on the GPU: {:.0} samples/s (median of {steps} steps), {:.0} GB/s implied",
+            r["samples_per_s"]["median"].as_f64().unwrap_or(f64::NAN),
+            r["implied_GBps_at_median"].as_f64().unwrap_or(f64::NAN)
+        );
+        Some(r)
+    } else {
+        None
+    };
+    Ok(serde_json::json!({"device_check": check, "w1": w1}))
 }
 
 fn print_bench<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>) -> ExitCode {

@@ -186,13 +186,32 @@ fn plan_prints_the_stats_writes_the_plan_and_a_pinned_plan_is_checked() {
 }
 
 #[test]
-fn run_refuses_gpu_ranks_and_points_at_plan() {
+fn run_refuses_several_gpu_ranks() {
     let (code, _, stderr) = trainrec(&["run", "recipes/planner/criteo_8gpu.toml"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(
-        stderr.contains("key: topology.compute_device") && stderr.contains("`trainrec plan` plans for it"),
+        stderr.contains("key: topology.world_size") && stderr.contains("a CUDA job trains on one GPU for now"),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_cuda_recipe_without_a_gpu_says_what_is_missing() {
+    // SAFETY: only tries to open the library.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        eprintln!("skipping: this machine has a CUDA driver");
+        return;
+    }
+    let (code, stdout, stderr) = trainrec(&["run", "recipes/gpu/dlrm_cuda.toml"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("key: topology.compute_device")
+            && stderr.contains("libcuda.so")
+            && stderr.contains("compute_device = \"cpu\""),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
 }
 
 #[test]

@@ -1,0 +1,93 @@
+//! `trainrec bench ebc --device cuda`: the W1 step (pooled forward + fused backward/update)
+//! with the tables in GPU memory, the workload and JSON of the CPU benchmark
+//! ([`trainrec_embedding::bench`]).
+
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand_distr::{Distribution, StandardNormal};
+use serde_json::{Value, json};
+use trainrec_embedding::bench::{EbcBench, make_batches, min_bytes, rate, summarize};
+use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode};
+
+use crate::{CudaEbc, CudaError};
+
+/// Runs the benchmark on GPU `device`. A step is timed from the host's view: the batch's ids
+/// uploaded, the forward, the host's occurrence sort, the update, and a synchronize.
+pub fn run(a: &EbcBench, device: usize) -> Result<Value, CudaError> {
+    if a.tables == 0 || a.rows == 0 || a.dim == 0 || a.batch == 0 || a.steps == 0 || a.num_batches == 0 {
+        return Err(CudaError::Unsupported("tables, rows, dim, batch, steps and num-batches must be > 0".into()));
+    }
+    crate::probe(device)?;
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let (batches, uniq) = make_batches(a, &mut rng);
+    let width = a.tables * a.dim;
+    let grad: Vec<f32> = (0..a.batch * width).map(|_| StandardNormal.sample(&mut rng)).collect();
+    tracing::info!("building {} tables of {} x {}", a.tables, a.rows, a.dim);
+    let t0 = Instant::now();
+    let configs = (0..a.tables)
+        .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::Sum, &[&format!("f{t}")]))
+        .collect();
+    let mut gpu = {
+        let cpu = EmbeddingBagCollection::new(configs, a.optimizer.clone(), a.seed)?;
+        CudaEbc::from_cpu(&cpu, device)?
+    };
+    let build_s = t0.elapsed().as_secs_f64();
+    let dev_grad = gpu.stream().clone_htod(&grad).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+    let mut it = 0usize;
+    let mut step = |gpu: &mut CudaEbc| -> Result<(), CudaError> {
+        let kjt = &batches[it % batches.len()];
+        it += 1;
+        let out = gpu.forward(kjt)?;
+        gpu.backward_and_update(kjt, &dev_grad)?;
+        gpu.synchronize()?;
+        drop(out);
+        Ok(())
+    };
+    for _ in 0..a.warmup {
+        step(&mut gpu)?;
+    }
+    let mut ts = Vec::with_capacity(a.steps);
+    for _ in 0..a.steps {
+        let t = Instant::now();
+        step(&mut gpu)?;
+        ts.push(t.elapsed().as_secs_f64());
+    }
+    let mut fwd = Vec::with_capacity(a.fwd_steps);
+    for i in 0..a.fwd_steps {
+        let kjt = &batches[i % batches.len()];
+        let t = Instant::now();
+        let out = gpu.forward(kjt)?;
+        gpu.synchronize()?;
+        fwd.push(t.elapsed().as_secs_f64());
+        drop(out);
+    }
+    let b = a.batch as f64;
+    let (lookups, uniq_rows, bytes_fwd, bytes_bwd) = min_bytes(a, uniq);
+    let step_s = summarize(&ts);
+    let median = step_s["median_s"].as_f64().unwrap_or(f64::NAN);
+    let fwd_s = (!fwd.is_empty()).then(|| summarize(&fwd));
+    let fwd_gbps = fwd_s.as_ref().and_then(|f| f["median_s"].as_f64()).map(|m| bytes_fwd / m / 1e9);
+    let info = gpu.info().clone();
+    Ok(json!({
+        "workload": "w1_ebc_fused_train",
+        "impl": "trainrec-cuda",
+        "device": {"name": info.name, "compute_capability": [info.compute_capability.0, info.compute_capability.1]},
+        "config": {
+            "tables": a.tables, "rows": a.rows, "dim": a.dim, "pooling": a.pooling, "batch": a.batch,
+            "steps": a.steps, "warmup": a.warmup, "fwd_steps": a.fwd_steps, "num_batches": a.num_batches,
+            "optimizer": a.optimizer, "seed": a.seed,
+        },
+        "step": step_s,
+        "fwd_only": fwd_s,
+        "steps_per_s": rate(&ts, 1.0),
+        "samples_per_s": rate(&ts, b),
+        "unique_rows_per_step": uniq_rows,
+        "unique_frac": uniq_rows / lookups,
+        "min_bytes_per_step": bytes_fwd + bytes_bwd,
+        "implied_GBps_at_median": (bytes_fwd + bytes_bwd) / median / 1e9,
+        "fwd_implied_GBps_at_median": fwd_gbps,
+        "build_s": build_s,
+    }))
+}

@@ -1,0 +1,85 @@
+//! Jobs on a GPU (`topology.compute_device = "cuda"`): the dense model on the GPU through
+//! libtorch, the tables in GPU memory behind trainrec's CUDA kernels
+//! ([`trainrec_cuda::CudaEbc`]), the pooled embeddings and their gradient shared with libtorch
+//! as device memory (no copy). One rank for now.
+//!
+//! trainrec links libtorch's CPU libraries (the `.libtorch/` install has no CUDA half), so a
+//! CUDA job opens `libtorch_cuda.so` from the library path first (a CUDA build of torch 2.11,
+//! e.g. a PyPI wheel's `torch/lib` on `LD_LIBRARY_PATH`); that registers libtorch's CUDA
+//! backend. Everything missing (driver, GPU, NVRTC, libtorch's CUDA half) is a recipe error at
+//! `topology.compute_device` saying what and how to fix it.
+
+use tch::Device;
+use trainrec_recipe::{Diagnostic, KeyPath, LoadedRecipe, Recipe};
+
+use crate::error::EngineError;
+
+fn diagnostic(loaded: &LoadedRecipe, key: KeyPath, message: String, help: &str) -> EngineError {
+    EngineError::Recipe(loaded.locate(vec![Diagnostic::new(key, message).with_help(help)]))
+}
+
+/// Checks that this job can run on GPU 0 and makes libtorch's CUDA backend available; the
+/// device the dense model lives on.
+pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> Result<Device, EngineError> {
+    let key = KeyPath::root().key("topology").key("compute_device");
+    if ranks > 1 || recipe.topology.world_size > 1 {
+        return Err(diagnostic(
+            loaded,
+            KeyPath::root().key("topology").key("world_size"),
+            format!(
+                "a CUDA job trains on one GPU for now; this recipe asks for {} ranks",
+                recipe.topology.world_size.max(ranks)
+            ),
+            "set topology.world_size = 1, or train across ranks on CPU (topology.compute_device = \"cpu\")",
+        ));
+    }
+    if let Some(i) = recipe.tables.iter().position(|t| t.mc.is_some()) {
+        return Err(diagnostic(
+            loaded,
+            KeyPath::root().key("tables").index(i).key("mc"),
+            format!("table \"{}\": managed collisions do not run on CUDA yet", recipe.tables[i].name),
+            "train this recipe with topology.compute_device = \"cpu\"",
+        ));
+    }
+    let help = "run on a machine with an NVIDIA GPU and its driver, or set topology.compute_device = \"cpu\"";
+    let info = trainrec_cuda::probe(0).map_err(|e| diagnostic(loaded, key.clone(), e.to_string(), help))?;
+    load_torch_cuda().map_err(|m| {
+        diagnostic(
+            loaded,
+            key,
+            m,
+            "put a CUDA build of torch 2.11's torch/lib (e.g. a PyPI wheel's) on LD_LIBRARY_PATH; scripts/device-check \
+             shows how",
+        )
+    })?;
+    tracing::info!(gpu = %info.name, "training on CUDA");
+    Ok(Device::Cuda(0))
+}
+
+/// Opens libtorch's CUDA half unless libtorch already sees a GPU.
+fn load_torch_cuda() -> Result<(), String> {
+    if tch::Cuda::is_available() {
+        return Ok(());
+    }
+    // SAFETY: libtorch_cuda's initialisers register its CUDA backend with the libtorch
+    // already loaded (same version: the library path's torch 2.11).
+    let lib = unsafe {
+        libloading::os::unix::Library::open(
+            Some("libtorch_cuda.so"),
+            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+        )
+    }
+    .map_err(|e| {
+        format!(
+            "libtorch has no CUDA backend here: the libtorch trainrec runs with is the CPU build, and \
+             libtorch_cuda.so could not be opened ({e})"
+        )
+    })?;
+    // Stays loaded for the process.
+    std::mem::forget(lib);
+    if tch::Cuda::is_available() {
+        Ok(())
+    } else {
+        Err("libtorch_cuda.so was loaded but libtorch sees no CUDA device".into())
+    }
+}
