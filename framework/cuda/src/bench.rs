@@ -34,7 +34,7 @@ pub fn run(a: &EbcBench, device: usize) -> Result<Value, CudaError> {
         CudaEbc::from_cpu(&cpu, device)?
     };
     let build_s = t0.elapsed().as_secs_f64();
-    let dev_grad = gpu.stream().clone_htod(&grad).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+    let dev_grad = gpu.upload(&grad)?;
     let mut it = 0usize;
     let mut step = |gpu: &mut CudaEbc| -> Result<(), CudaError> {
         let kjt = &batches[it % batches.len()];

@@ -141,25 +141,33 @@ fn compare(a: &[f32], b: &[f32]) -> (f64, bool) {
 /// difference of the forward outputs, weights and optimizer states over the steps, and
 /// whether they were bit-identical.
 pub fn run_on_gpu(device: usize) -> Result<Value, CudaError> {
+    run_with(|cpu| crate::CudaEbc::from_cpu(cpu, device))
+}
+
+/// [`run_on_gpu`] with the collections `make` builds from each case's CPU collection (e.g.
+/// [`crate::CudaEbc::emulated`]).
+pub fn run_with(
+    make: impl Fn(&EmbeddingBagCollection) -> Result<crate::CudaEbc, CudaError>,
+) -> Result<Value, CudaError> {
     let mut rows = Vec::new();
     let mut identical = 0;
     let all = cases();
     for (i, case) in all.iter().enumerate() {
         let mut rng = StdRng::seed_from_u64(11 + i as u64);
         let mut cpu = collection(case);
-        let mut gpu = crate::CudaEbc::from_cpu(&cpu, device)?;
+        let mut gpu = make(&cpu)?;
         gpu.set_bounds_check(BoundsCheckMode::Ignore);
         let (mut fwd, mut w, mut st, mut same) = (0f64, 0f64, 0f64, true);
         for step in 0..STEPS {
             let kjt = batch(&mut rng, case.weighted, step);
             let want = cpu.forward(&kjt)?;
             let out = gpu.forward(&kjt)?;
-            let got = gpu.stream().clone_dtoh(&out).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+            let got = gpu.download(&out)?;
             let (d, s) = compare(&got[..want.values().len()], want.values());
             fwd = fwd.max(d);
             same &= s;
             let grad = gradient(&mut rng, &kjt, cpu.width());
-            let dev_grad = gpu.stream().clone_htod(&grad).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+            let dev_grad = gpu.upload(&grad)?;
             cpu.backward_and_update(&kjt, &grad)?;
             gpu.backward_and_update(&kjt, &dev_grad)?;
             for t in ["a", "b", "c"] {

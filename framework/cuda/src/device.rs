@@ -1,23 +1,15 @@
 //! The GPU side: probing for CUDA, and [`CudaEbc`], a pooled collection whose tables live in
 //! device memory and whose lookups and updates run the NVRTC-compiled kernels.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
-use trainrec_embedding::{BoundsCheckMode, EmbeddingBagCollection, PoolingMode, WeightPrecision};
+use cudarc::driver::CudaContext;
+use trainrec_embedding::{BoundsCheckMode, EmbeddingBagCollection, PoolingMode};
 use trainrec_sparse::KeyedJaggedTensor;
 
+use crate::CudaError;
+use crate::backend::{Arg, Backend, Buf, Kernel, driver};
 use crate::host::{self, Layout, StepArgs, StoredWeights, TableSpec};
-use crate::{CudaError, KERNELS, WARPS};
-
-// SAFETY: `StepArgs` is `repr(C)` plain old data with the layout of the kernels' `StepArgs`.
-unsafe impl DeviceRepr for StepArgs {}
-
-fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> CudaError + '_ {
-    move |e| CudaError::Driver(format!("{what}: {e:?}"))
-}
 
 /// The GPU a CUDA collection runs on.
 #[derive(Clone, Debug, PartialEq)]
@@ -61,34 +53,50 @@ pub fn probe(device: usize) -> Result<GpuInfo, CudaError> {
 }
 
 enum Weights {
-    F32(CudaSlice<f32>),
-    Bits(CudaSlice<u16>),
+    F32(Buf<f32>),
+    Bits(Buf<u16>),
 }
 
 struct DeviceTable {
     spec: TableSpec,
     weights: Weights,
-    state: CudaSlice<f32>,
+    state: Buf<f32>,
     /// Updates applied so far.
     iter: u64,
 }
 
-/// A batch's ids on the device: the KJT's values, its bag offsets and per-id weights.
+/// A batch's ids in the backend's memory: the KJT's values, its bag offsets and per-id weights.
 struct DeviceBatch {
-    values: CudaSlice<i64>,
-    offsets: CudaSlice<i64>,
-    weights: Option<CudaSlice<f32>>,
+    values: Buf<i64>,
+    offsets: Buf<i64>,
+    weights: Option<Buf<f32>>,
+}
+
+/// Floats in the collection's memory: a forward's output or a gradient
+/// ([`CudaEbc::upload`], [`CudaEbc::download`]).
+pub struct DeviceBuffer(Buf<f32>);
+
+impl DeviceBuffer {
+    /// Floats held.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it holds no floats.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Pooled lookups over tables in GPU memory, the backward fused with the sparse optimizer:
 /// the CUDA counterpart of [`EmbeddingBagCollection`], with its layout, initial values and
 /// results (bit for bit: see the crate docs). Kernels run on the context's default stream,
-/// which orders them with libtorch's default stream.
+/// which orders them with libtorch's default stream. With feature `emulator`,
+/// [`CudaEbc::emulated`] runs the same code on host memory.
 pub struct CudaEbc {
     layout: Layout,
     info: GpuInfo,
-    stream: Arc<CudaStream>,
-    functions: HashMap<String, CudaFunction>,
+    backend: Backend,
     tables: Vec<DeviceTable>,
     bounds: BoundsCheckMode,
 }
@@ -99,42 +107,51 @@ impl CudaEbc {
     pub fn from_cpu(ebc: &EmbeddingBagCollection, device: usize) -> Result<Self, CudaError> {
         let layout = Layout::of(ebc)?;
         let info = probe(device)?;
-        let ctx = CudaContext::new(device).map_err(driver("cuCtxCreate"))?;
-        let stream = ctx.default_stream();
-        let (major, minor) = info.compute_capability;
-        let ptx = crate::compile_ptx(&format!("compute_{major}{minor}"))?;
-        let module = ctx.load_module(ptx).map_err(driver("cuModuleLoadData"))?;
-        let mut functions = HashMap::new();
-        for kernel in KERNELS {
-            for p in [WeightPrecision::Fp32, WeightPrecision::Fp16, WeightPrecision::Bf16] {
-                let name = format!("trainrec_{kernel}_{}", host::suffix(p));
-                let f = module.load_function(&name).map_err(driver("cuModuleGetFunction"))?;
-                functions.insert(name, f);
-            }
-        }
+        let backend = Backend::cuda(device, info.compute_capability)?;
+        let me = Self::with_backend(ebc, layout, info, backend)?;
+        tracing::info!(gpu = %me.info.name, tables = me.tables.len(), "embedding tables on the GPU");
+        Ok(me)
+    }
+
+    /// [`Self::from_cpu`] on the emulator: host memory, the kernels compiled as host C++ (one
+    /// OS thread per CUDA thread: slow, for tests). Its [`GpuInfo::name`] is `"emulator"`.
+    #[cfg(feature = "emulator")]
+    pub fn emulated(ebc: &EmbeddingBagCollection) -> Result<Self, CudaError> {
+        let layout = Layout::of(ebc)?;
+        let info = GpuInfo { device: 0, name: "emulator".into(), compute_capability: (0, 0), devices: 0, nvrtc: None };
+        Self::with_backend(ebc, layout, info, Backend::Emulator)
+    }
+
+    fn with_backend(
+        ebc: &EmbeddingBagCollection,
+        layout: Layout,
+        info: GpuInfo,
+        backend: Backend,
+    ) -> Result<Self, CudaError> {
         let mut tables = Vec::with_capacity(layout.tables.len());
         for spec in &layout.tables {
             let w = ebc.table_weights(&spec.name).expect("a table of this collection");
             let weights = match host::to_stored(spec.precision, &w) {
-                StoredWeights::F32(v) => Weights::F32(stream.clone_htod(&v).map_err(driver("cuMemcpyHtoD"))?),
-                StoredWeights::Bits(v) => Weights::Bits(stream.clone_htod(&v).map_err(driver("cuMemcpyHtoD"))?),
+                StoredWeights::F32(v) => Weights::F32(backend.upload(&v)?),
+                StoredWeights::Bits(v) => Weights::Bits(backend.upload(&v)?),
             };
             let s = ebc.optimizer_state(&spec.name).unwrap_or_default();
-            let state = if s.is_empty() {
-                stream.alloc_zeros::<f32>(1).map_err(driver("cuMemAlloc"))?
-            } else {
-                stream.clone_htod(&s).map_err(driver("cuMemcpyHtoD"))?
-            };
+            let state = if s.is_empty() { backend.zeros::<f32>(1)? } else { backend.upload(&s)? };
             let iter = ebc.step_count(&spec.name).unwrap_or(0);
             tables.push(DeviceTable { spec: spec.clone(), weights, state, iter });
         }
-        tracing::info!(gpu = %info.name, tables = tables.len(), "embedding tables on the GPU");
-        Ok(Self { layout, info, stream, functions, tables, bounds: BoundsCheckMode::Fatal })
+        Ok(Self { layout, info, backend, tables, bounds: BoundsCheckMode::Fatal })
     }
 
     /// The GPU.
     pub fn info(&self) -> &GpuInfo {
         &self.info
+    }
+
+    /// Whether the tables live in GPU memory (false on the emulator, whose buffers and raw
+    /// addresses are host memory).
+    pub fn on_gpu(&self) -> bool {
+        matches!(self.backend, Backend::Cuda { .. })
     }
 
     /// The tables and outputs.
@@ -147,96 +164,97 @@ impl CudaEbc {
         self.layout.width
     }
 
-    /// The stream the kernels run on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
     /// What lookups do with ids outside their table (`fatal` checks on the host first; the
     /// other modes let the kernels read row 0, as the CPU kernels).
     pub fn set_bounds_check(&mut self, mode: BoundsCheckMode) {
         self.bounds = mode;
     }
 
-    fn function(&self, kernel: &str, p: WeightPrecision) -> &CudaFunction {
-        &self.functions[&format!("trainrec_{kernel}_{}", host::suffix(p))]
+    /// A copy of `v` in the collection's memory (e.g. a gradient).
+    pub fn upload(&self, v: &[f32]) -> Result<DeviceBuffer, CudaError> {
+        Ok(DeviceBuffer(self.backend.upload(v)?))
     }
 
-    fn upload(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<usize>, DeviceBatch), CudaError> {
+    /// A buffer's floats on the host.
+    pub fn download(&self, b: &DeviceBuffer) -> Result<Vec<f32>, CudaError> {
+        self.backend.download(&b.0)
+    }
+
+    fn upload_batch(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<usize>, DeviceBatch), CudaError> {
         let keys = self.layout.resolve(kjt)?;
         if self.bounds == BoundsCheckMode::Fatal {
             self.layout.check_ids(kjt, &keys)?;
         }
-        let up = driver("cuMemcpyHtoD");
-        let values = if kjt.values().is_empty() {
-            self.stream.alloc_zeros::<i64>(1).map_err(&up)?
-        } else {
-            self.stream.clone_htod(kjt.values()).map_err(&up)?
-        };
         let offsets: Vec<i64> = kjt.offsets().iter().map(|&o| o as i64).collect();
-        let offsets = self.stream.clone_htod(&offsets).map_err(&up)?;
         let weights = match kjt.weights() {
-            Some(w) if !w.is_empty() => Some(self.stream.clone_htod(w).map_err(&up)?),
+            Some(w) if !w.is_empty() => Some(self.backend.upload(w)?),
             _ => None,
         };
-        Ok((keys, DeviceBatch { values, offsets, weights }))
+        Ok((
+            keys,
+            DeviceBatch {
+                values: self.backend.upload(kjt.values())?,
+                offsets: self.backend.upload(&offsets)?,
+                weights,
+            },
+        ))
     }
 
-    /// Pooled lookups of `kjt`: `[batch, width]` on the device, row-major.
-    pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<CudaSlice<f32>, CudaError> {
-        let n = (kjt.stride() * self.width()).max(1);
-        let mut out = self.stream.alloc_zeros::<f32>(n).map_err(driver("cuMemAlloc"))?;
-        let (ptr, sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut out, &self.stream);
+    /// Pooled lookups of `kjt`: `[batch, width]` in the collection's memory, row-major.
+    pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<DeviceBuffer, CudaError> {
+        let out = self.backend.zeros::<f32>(kjt.stride() * self.width())?;
+        let addr = self.backend.addr(&out, 0);
         // SAFETY: `out` holds batch * width floats and outlives the launches (same stream).
-        let r = unsafe { self.forward_into_raw(kjt, ptr) };
-        drop(sync);
-        r.map(|()| out)
+        unsafe { self.forward_into_raw(kjt, addr)? };
+        Ok(DeviceBuffer(out))
     }
 
-    /// [`Self::forward`] into device memory the caller owns (e.g. a libtorch CUDA tensor's
-    /// `data_ptr`).
+    /// [`Self::forward`] into memory the caller owns (e.g. a libtorch CUDA tensor's
+    /// `data_ptr`; on the emulator, a host address).
     ///
     /// # Safety
-    /// `out` must point to `kjt.stride() * self.width()` writable floats on this GPU that stay
-    /// valid until the stream passes the launches.
+    /// `out` must point to `kjt.stride() * self.width()` writable floats of the collection's
+    /// memory that stay valid until the stream passes the launches.
     pub unsafe fn forward_into_raw(&self, kjt: &KeyedJaggedTensor, out: u64) -> Result<(), CudaError> {
-        let (keys, batch) = self.upload(kjt)?;
+        let (keys, batch) = self.upload_batch(kjt)?;
         let b = kjt.stride();
         if b == 0 {
             return Ok(());
         }
-        let width = self.width() as i64;
+        let be = &self.backend;
+        let weights = batch.weights.as_ref().map_or(0, |w| be.addr(w, 0));
         for (o, &k) in self.layout.outputs.iter().zip(&keys) {
             let t = &self.tables[o.table];
-            let (rows, dim) = (t.spec.rows as i64, t.spec.dim as i32);
-            let offsets = batch.offsets.slice(k * b..k * b + b + 1);
-            let null = 0u64;
-            let n = b as i64;
-            let mean = i32::from(t.spec.pooling == PoolingMode::Mean);
-            let col = o.column as i64;
-            let f = self.function("pool", t.spec.precision);
-            let mut l = self.stream.launch_builder(f);
-            match &t.weights {
-                Weights::F32(w) => l.arg(w),
-                Weights::Bits(w) => l.arg(w),
+            let table = match &t.weights {
+                Weights::F32(w) => be.addr(w, 0),
+                Weights::Bits(w) => be.addr(w, 0),
             };
-            l.arg(&rows).arg(&dim).arg(&batch.values).arg(&offsets);
-            match &batch.weights {
-                Some(w) => l.arg(w),
-                None => l.arg(&null),
-            };
-            l.arg(&n).arg(&mean).arg(&out).arg(&width).arg(&col);
+            let args = [
+                Arg::Ptr(table),
+                Arg::I64(t.spec.rows as i64),
+                Arg::I32(t.spec.dim as i32),
+                Arg::Ptr(be.addr(&batch.values, 0)),
+                Arg::Ptr(be.addr(&batch.offsets, k * b)),
+                Arg::Ptr(weights),
+                Arg::I64(b as i64),
+                Arg::I32(i32::from(t.spec.pooling == PoolingMode::Mean)),
+                Arg::Ptr(out),
+                Arg::I64(self.width() as i64),
+                Arg::I64(o.column as i64),
+            ];
             // SAFETY: the arguments match trainrec_pool_*'s parameters in order and type; every
             // index the kernel reads is inside its buffer (bags from the KJT's offsets, rows
             // clamped to the table), and it writes b rows of `width` at `out`.
-            unsafe { l.launch(launch_config(b)) }.map_err(driver("cuLaunchKernel (pool)"))?;
+            unsafe { be.launch(Kernel::Pool, t.spec.precision, b, &args)? };
         }
+        // The batch's buffers are freed in stream order after the launches.
+        drop(batch);
         Ok(())
     }
 
     /// Backward fused with the optimizer: `grad` is the `[batch, width]` gradient of
-    /// [`Self::forward`]'s output, on the device.
-    pub fn backward_and_update(&mut self, kjt: &KeyedJaggedTensor, grad: &CudaSlice<f32>) -> Result<(), CudaError> {
+    /// [`Self::forward`]'s output.
+    pub fn backward_and_update(&mut self, kjt: &KeyedJaggedTensor, grad: &DeviceBuffer) -> Result<(), CudaError> {
         if grad.len() < kjt.stride() * self.width() {
             return Err(CudaError::Unsupported(format!(
                 "gradient has {} floats, expected batch {} x width {}",
@@ -245,19 +263,16 @@ impl CudaEbc {
                 self.width()
             )));
         }
-        let stream = self.stream.clone();
-        let (ptr, sync) = cudarc::driver::DevicePtr::device_ptr(grad, &stream);
+        let addr = self.backend.addr(&grad.0, 0);
         // SAFETY: checked above; the gradient outlives the launches (same stream).
-        let r = unsafe { self.backward_and_update_raw(kjt, ptr) };
-        drop(sync);
-        r
+        unsafe { self.backward_and_update_raw(kjt, addr) }
     }
 
-    /// [`Self::backward_and_update`] from device memory the caller owns.
+    /// [`Self::backward_and_update`] from memory the caller owns.
     ///
     /// # Safety
-    /// `grad` must point to `kjt.stride() * self.width()` floats on this GPU, valid until the
-    /// stream passes the launches.
+    /// `grad` must point to `kjt.stride() * self.width()` floats of the collection's memory,
+    /// valid until the stream passes the launches.
     pub unsafe fn backward_and_update_raw(&mut self, kjt: &KeyedJaggedTensor, grad: u64) -> Result<(), CudaError> {
         let keys = self.layout.resolve(kjt)?;
         if self.bounds == BoundsCheckMode::Fatal {
@@ -270,7 +285,7 @@ impl CudaEbc {
                 u32::MAX
             )));
         }
-        let up = driver("cuMemcpyHtoD");
+        let be = &self.backend;
         for t in 0..self.tables.len() {
             let occ = self.layout.occurrences(kjt, &keys, t);
             let table = &mut self.tables[t];
@@ -278,27 +293,71 @@ impl CudaEbc {
             if occ.rows.is_empty() {
                 continue;
             }
-            let args = StepArgs::new(&table.spec, table.iter);
-            let rows = self.stream.clone_htod(&occ.rows).map_err(&up)?;
-            let seg = self.stream.clone_htod(&occ.seg).map_err(&up)?;
-            let src = self.stream.clone_htod(&occ.src).map_err(&up)?;
-            let scale = self.stream.clone_htod(&occ.scale).map_err(&up)?;
-            let (dim, spr) = (table.spec.dim as i32, table.spec.state_per_row as i32);
-            let uniques = occ.rows.len() as i64;
-            let f = &self.functions[&format!("trainrec_update_{}", host::suffix(table.spec.precision))];
-            let mut l = self.stream.launch_builder(f);
-            match &mut table.weights {
-                Weights::F32(w) => l.arg(w),
-                Weights::Bits(w) => l.arg(w),
+            let step = StepArgs::new(&table.spec, table.iter);
+            let (rows, seg) = (be.upload(&occ.rows)?, be.upload(&occ.seg)?);
+            let (src, scale) = (be.upload(&occ.src)?, be.upload(&occ.scale)?);
+            let weights = match &table.weights {
+                Weights::F32(w) => be.addr(w, 0),
+                Weights::Bits(w) => be.addr(w, 0),
             };
-            l.arg(&mut table.state).arg(&dim).arg(&spr).arg(&rows).arg(&seg).arg(&src).arg(&scale);
-            l.arg(&uniques).arg(&grad).arg(&args);
+            let args = [
+                Arg::Ptr(weights),
+                Arg::Ptr(be.addr(&table.state, 0)),
+                Arg::I32(table.spec.dim as i32),
+                Arg::I32(table.spec.state_per_row as i32),
+                Arg::Ptr(be.addr(&rows, 0)),
+                Arg::Ptr(be.addr(&seg, 0)),
+                Arg::Ptr(be.addr(&src, 0)),
+                Arg::Ptr(be.addr(&scale, 0)),
+                Arg::I64(occ.rows.len() as i64),
+                Arg::Ptr(grad),
+                Arg::Step(step),
+            ];
             // SAFETY: the arguments match trainrec_update_*'s parameters in order and type; the
             // rows are unique (one warp each, no two writing one row), inside the table, and
             // every occurrence's gradient lies in the `grad_len` floats at `grad`.
-            unsafe { l.launch(launch_config(occ.rows.len())) }.map_err(driver("cuLaunchKernel (update)"))?;
+            unsafe { be.launch(Kernel::Update, table.spec.precision, occ.rows.len(), &args)? };
         }
         Ok(())
+    }
+
+    /// Sequence lookups of one table: row `ids[i]` at `[i * dim ..]` of the result (ids
+    /// outside the table read row 0 unless the bounds check is `fatal`).
+    pub fn lookup_rows(&self, name: &str, ids: &[i64]) -> Result<DeviceBuffer, CudaError> {
+        let t = self.table(name)?;
+        if self.bounds == BoundsCheckMode::Fatal {
+            if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= t.spec.rows) {
+                return Err(CudaError::Embedding(trainrec_embedding::EmbeddingError::IdOutOfRange {
+                    table: name.to_string(),
+                    feature: String::new(),
+                    sample: ids.iter().position(|&x| x == id).unwrap_or(0),
+                    id,
+                    rows: t.spec.rows,
+                }));
+            }
+        }
+        let be = &self.backend;
+        let out = be.zeros::<f32>(ids.len() * t.spec.dim)?;
+        if ids.is_empty() {
+            return Ok(DeviceBuffer(out));
+        }
+        let dev_ids = be.upload(ids)?;
+        let table = match &t.weights {
+            Weights::F32(w) => be.addr(w, 0),
+            Weights::Bits(w) => be.addr(w, 0),
+        };
+        let args = [
+            Arg::Ptr(table),
+            Arg::I64(t.spec.rows as i64),
+            Arg::I32(t.spec.dim as i32),
+            Arg::Ptr(be.addr(&dev_ids, 0)),
+            Arg::I64(ids.len() as i64),
+            Arg::Ptr(be.addr(&out, 0)),
+        ];
+        // SAFETY: the arguments match trainrec_gather_*'s; rows are clamped to the table and
+        // `out` holds ids.len() rows of dim.
+        unsafe { be.launch(Kernel::Gather, t.spec.precision, ids.len(), &args)? };
+        Ok(DeviceBuffer(out))
     }
 
     fn table(&self, name: &str) -> Result<&DeviceTable, CudaError> {
@@ -308,24 +367,23 @@ impl CudaEbc {
             .ok_or_else(|| CudaError::Unsupported(format!("no table \"{name}\" in this collection")))
     }
 
-    /// Table `name`'s weights as fp32, `[rows, dim]` row-major (copied from the device).
+    /// Table `name`'s weights as fp32, `[rows, dim]` row-major (copied to the host).
     pub fn table_weights(&self, name: &str) -> Result<Vec<f32>, CudaError> {
         let t = self.table(name)?;
-        let down = driver("cuMemcpyDtoH");
         let stored = match &t.weights {
-            Weights::F32(w) => StoredWeights::F32(self.stream.clone_dtoh(w).map_err(&down)?),
-            Weights::Bits(w) => StoredWeights::Bits(self.stream.clone_dtoh(w).map_err(&down)?),
+            Weights::F32(w) => StoredWeights::F32(self.backend.download(w)?),
+            Weights::Bits(w) => StoredWeights::Bits(self.backend.download(w)?),
         };
         Ok(host::from_stored(t.spec.precision, &stored))
     }
 
-    /// Table `name`'s optimizer state (copied from the device).
+    /// Table `name`'s optimizer state (copied to the host).
     pub fn optimizer_state(&self, name: &str) -> Result<Vec<f32>, CudaError> {
         let t = self.table(name)?;
         if t.spec.state_per_row == 0 {
             return Ok(Vec::new());
         }
-        self.stream.clone_dtoh(&t.state).map_err(driver("cuMemcpyDtoH"))
+        self.backend.download(&t.state)
     }
 
     /// Updates applied so far to table `name`.
@@ -350,11 +408,10 @@ impl CudaEbc {
                 state.len()
             )));
         }
-        let up = driver("cuMemcpyHtoD");
         let t = &mut self.tables[i];
         match (&mut t.weights, host::to_stored(spec.precision, weights)) {
-            (Weights::F32(w), StoredWeights::F32(v)) => self.stream.memcpy_htod(&v, w).map_err(&up)?,
-            (Weights::Bits(w), StoredWeights::Bits(v)) => self.stream.memcpy_htod(&v, w).map_err(&up)?,
+            (Weights::F32(w), StoredWeights::F32(v)) => self.backend.write(&v, w)?,
+            (Weights::Bits(w), StoredWeights::Bits(v)) => self.backend.write(&v, w)?,
             _ => unreachable!("a table's stored form follows its precision"),
         }
         if ns > 0 {
@@ -365,7 +422,7 @@ impl CudaEbc {
             } else {
                 state
             };
-            self.stream.memcpy_htod(state, &mut t.state).map_err(&up)?;
+            self.backend.write(state, &mut t.state)?;
         }
         t.iter = steps;
         Ok(())
@@ -387,10 +444,6 @@ impl CudaEbc {
 
     /// Waits for every launch so far.
     pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.stream.synchronize().map_err(driver("cuStreamSynchronize"))
+        self.backend.synchronize()
     }
-}
-
-fn launch_config(warps_of_work: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (host::grid(warps_of_work), 1, 1), block_dim: (32, WARPS, 1), shared_mem_bytes: 0 }
 }

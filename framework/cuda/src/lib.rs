@@ -14,13 +14,14 @@
 //! - Nothing here needs CUDA to build. At run time [`probe`] says what is missing (driver,
 //!   GPU, NVRTC) as an error instead of cudarc's panic on a failed library load.
 
+mod backend;
 pub mod bench;
 pub mod check;
 mod device;
 pub mod host;
 mod nvrtc;
 
-pub use device::{CudaEbc, GpuInfo, probe};
+pub use device::{CudaEbc, DeviceBuffer, GpuInfo, probe};
 pub use nvrtc::{compile_ptx, nvrtc_location};
 
 /// The kernels' source (CUDA C++).

@@ -18,9 +18,43 @@ fn diagnostic(loaded: &LoadedRecipe, key: KeyPath, message: String, help: &str) 
     EngineError::Recipe(loaded.locate(vec![Diagnostic::new(key, message).with_help(help)]))
 }
 
-/// Checks that this job can run on GPU 0 and makes libtorch's CUDA backend available; the
-/// device the dense model lives on.
-pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> Result<Device, EngineError> {
+/// Where a CUDA job's tables live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// GPU `n` (the dense model on it too).
+    Gpu(usize),
+    /// The CUDA engine's emulator (host memory, the kernels as host C++; the dense model on
+    /// CPU): builds with feature `cuda-emulator` and `TRAINREC_CUDA_EMULATOR=1`, for testing
+    /// the CUDA path end to end on machines without a GPU.
+    #[cfg(feature = "cuda-emulator")]
+    Emulator,
+}
+
+impl Target {
+    /// The device of the dense model.
+    pub(crate) fn dense_device(self) -> Device {
+        match self {
+            Self::Gpu(n) => Device::Cuda(n),
+            #[cfg(feature = "cuda-emulator")]
+            Self::Emulator => Device::Cpu,
+        }
+    }
+
+    /// The job's tables, from the CPU collection's initial values.
+    pub(crate) fn collection(
+        self,
+        ebc: &trainrec_embedding::EmbeddingBagCollection,
+    ) -> Result<trainrec_cuda::CudaEbc, EngineError> {
+        Ok(match self {
+            Self::Gpu(n) => trainrec_cuda::CudaEbc::from_cpu(ebc, n)?,
+            #[cfg(feature = "cuda-emulator")]
+            Self::Emulator => trainrec_cuda::CudaEbc::emulated(ebc)?,
+        })
+    }
+}
+
+/// Checks that this job can run on GPU 0 and makes libtorch's CUDA backend available.
+pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> Result<Target, EngineError> {
     let key = KeyPath::root().key("topology").key("compute_device");
     if ranks > 1 || recipe.topology.world_size > 1 {
         return Err(diagnostic(
@@ -41,6 +75,11 @@ pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> R
             "train this recipe with topology.compute_device = \"cpu\"",
         ));
     }
+    #[cfg(feature = "cuda-emulator")]
+    if std::env::var_os("TRAINREC_CUDA_EMULATOR").is_some_and(|v| v == "1") {
+        tracing::warn!("TRAINREC_CUDA_EMULATOR=1: the CUDA engine runs emulated on the host (slow; for tests)");
+        return Ok(Target::Emulator);
+    }
     let help = "run on a machine with an NVIDIA GPU and its driver, or set topology.compute_device = \"cpu\"";
     let info = trainrec_cuda::probe(0).map_err(|e| diagnostic(loaded, key.clone(), e.to_string(), help))?;
     load_torch_cuda().map_err(|m| {
@@ -53,7 +92,7 @@ pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> R
         )
     })?;
     tracing::info!(gpu = %info.name, "training on CUDA");
-    Ok(Device::Cuda(0))
+    Ok(Target::Gpu(0))
 }
 
 /// Opens libtorch's CUDA half unless libtorch already sees a GPU.

@@ -40,6 +40,12 @@ pub(crate) enum SparseArch {
     Cuda(Box<trainrec_cuda::CudaEbc>),
 }
 
+/// Where the tensors a CUDA collection reads and writes live: its GPU, or host memory on the
+/// emulator.
+fn cuda_tensor_device(gpu: &trainrec_cuda::CudaEbc) -> tch::Device {
+    if gpu.on_gpu() { tch::Device::Cuda(gpu.info().device) } else { tch::Device::Cpu }
+}
+
 /// `kjt` with one bag per example: a variable-batch (VBE) KJT expanded by its
 /// `inverse_indices`, any other borrowed as is.
 pub(crate) fn full_batch(kjt: &KeyedJaggedTensor) -> Result<std::borrow::Cow<'_, KeyedJaggedTensor>, EngineError> {
@@ -94,7 +100,7 @@ impl SparseArch {
             Self::Cuda(gpu) => {
                 let kjt = full_batch(kjt)?;
                 let (b, w) = (kjt.stride(), gpu.width());
-                let t = Tensor::empty([b as i64, w as i64], (tch::Kind::Float, tch::Device::Cuda(gpu.info().device)));
+                let t = Tensor::empty([b as i64, w as i64], (tch::Kind::Float, cuda_tensor_device(gpu)));
                 if b * w > 0 {
                     // SAFETY: `t` is a new contiguous float tensor of `b * w` elements on the
                     // collection's GPU; the kernels run on the default stream, before any later
@@ -166,8 +172,7 @@ impl SparseArch {
             (Self::Quantized(_), _) => return Err(Self::inference_only()),
             (Self::Cuda(gpu), _) => {
                 let kjt = full_batch(kjt)?;
-                let device = tch::Device::Cuda(gpu.info().device);
-                let g = grad.to_device(device).to_kind(tch::Kind::Float).contiguous();
+                let g = grad.to_device(cuda_tensor_device(gpu)).to_kind(tch::Kind::Float).contiguous();
                 if g.numel() != kjt.stride() * gpu.width() {
                     return Err(EngineError::Internal(format!(
                         "pooled gradient has {} values, expected {}",

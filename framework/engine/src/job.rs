@@ -249,10 +249,11 @@ impl Job {
         }
         let topo = &recipe.topology;
         let ranks = pg.as_ref().map_or(1, |g| g.world_size());
-        let device = match topo.compute_device {
-            trainrec_planner::ComputeDevice::Cuda => crate::cuda::prepare(&recipe, loaded, ranks)?,
-            trainrec_planner::ComputeDevice::Cpu => Device::Cpu,
+        let cuda = match topo.compute_device {
+            trainrec_planner::ComputeDevice::Cuda => Some(crate::cuda::prepare(&recipe, loaded, ranks)?),
+            trainrec_planner::ComputeDevice::Cpu => None,
         };
+        let device = cuda.map_or(Device::Cpu, |c| c.dense_device());
         if topo.world_size != ranks {
             let d = trainrec_recipe::Diagnostic::new(
                 trainrec_recipe::KeyPath::root().key("topology").key("world_size"),
@@ -333,14 +334,14 @@ impl Job {
                     recipe.run.seed,
                 )?;
                 ebc.set_bounds_check(recipe.embedding.bounds_check);
-                match device {
+                match cuda {
                     // The tables start from the CPU collection's values, then live on the GPU.
-                    Device::Cuda(gpu) => {
-                        let mut on_gpu = trainrec_cuda::CudaEbc::from_cpu(&ebc, gpu)?;
+                    Some(target) => {
+                        let mut on_gpu = target.collection(&ebc)?;
                         on_gpu.set_bounds_check(recipe.embedding.bounds_check);
                         (SparseArch::Cuda(Box::new(on_gpu)), None)
                     }
-                    _ => (SparseArch::Local(Box::new(ebc)), None),
+                    None => (SparseArch::Local(Box::new(ebc)), None),
                 }
             }
         };

@@ -253,3 +253,106 @@ pub unsafe fn update(
         )
     }
 }
+
+/// `trainrec_pool_*` with every pointer as an address (as a GPU launch passes them).
+///
+/// # Safety
+/// As [`pool`]: the addresses are of live host buffers of the sizes the kernel indexes.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn raw_pool(
+    grid: u32,
+    precision: Precision,
+    table: u64,
+    rows: i64,
+    dim: i32,
+    values: u64,
+    offsets: u64,
+    weights: u64,
+    n: i64,
+    mean: i32,
+    out: u64,
+    width: i64,
+    col: i64,
+) {
+    let f: Pool = match precision {
+        Precision::F32 => emu_pool_f32,
+        Precision::F16 => emu_pool_f16,
+        Precision::Bf16 => emu_pool_bf16,
+    };
+    // SAFETY: the caller's contract.
+    unsafe {
+        f(
+            grid,
+            table as *const c_void,
+            rows,
+            dim,
+            values as *const i64,
+            offsets as *const i64,
+            weights as *const f32,
+            n,
+            mean,
+            out as *mut f32,
+            width,
+            col,
+        )
+    }
+}
+
+/// `trainrec_gather_*` with addresses.
+///
+/// # Safety
+/// As [`gather`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn raw_gather(grid: u32, precision: Precision, table: u64, rows: i64, dim: i32, ids: u64, n: i64, out: u64) {
+    let f: Gather = match precision {
+        Precision::F32 => emu_gather_f32,
+        Precision::F16 => emu_gather_f16,
+        Precision::Bf16 => emu_gather_bf16,
+    };
+    // SAFETY: the caller's contract.
+    unsafe { f(grid, table as *const c_void, rows, dim, ids as *const i64, n, out as *mut f32) }
+}
+
+/// `trainrec_update_*` with addresses.
+///
+/// # Safety
+/// As [`update`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn raw_update(
+    grid: u32,
+    precision: Precision,
+    table: u64,
+    state: u64,
+    dim: i32,
+    spr: i32,
+    rows: u64,
+    seg: u64,
+    src: u64,
+    scale: u64,
+    uniques: i64,
+    grad: u64,
+    args: *const c_void,
+) {
+    let f: Update = match precision {
+        Precision::F32 => emu_update_f32,
+        Precision::F16 => emu_update_f16,
+        Precision::Bf16 => emu_update_bf16,
+    };
+    // SAFETY: the caller's contract.
+    unsafe {
+        f(
+            grid,
+            table as *mut c_void,
+            state as *mut f32,
+            dim,
+            spr,
+            rows as *const i64,
+            seg as *const u32,
+            src as *const u32,
+            scale as *const f32,
+            uniques,
+            grad as *const f32,
+            args,
+        )
+    }
+}

@@ -1,0 +1,91 @@
+//! `CudaEbc` itself (uploads, launches, occurrence lists, step counts, table I/O) on the
+//! emulator backend: the device check's cases, checkpoints' table round trip, sequence
+//! lookups and bounds errors, against the CPU collection. Needs feature `emulator`, which
+//! `cargo test --workspace` turns on through the engine's tests.
+#![cfg(feature = "emulator")]
+
+use trainrec_cuda::{CudaEbc, check};
+use trainrec_embedding::{BoundsCheckMode, SparseOptimizerConfig, WeightPrecision};
+
+#[test]
+fn the_device_checks_cases_are_bit_identical_on_the_emulator() {
+    let r = check::run_with(CudaEbc::emulated).unwrap();
+    assert_eq!(r["total"], 24, "{r}");
+    let differing: Vec<&str> = r["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["bit_identical"] != true)
+        .map(|c| c["case"].as_str().unwrap())
+        .collect();
+    assert!(differing.is_empty(), "cases that differ from the CPU engine: {differing:?}");
+    assert_eq!(r["bit_identical"], 24);
+}
+
+fn case(precision: WeightPrecision) -> check::Case {
+    check::Case {
+        optimizer: SparseOptimizerConfig::Adam { lr: 0.05, eps: 1e-8, beta1: 0.9, beta2: 0.999, weight_decay: 0.0 },
+        precision,
+        mean: true,
+        weighted: true,
+        stochastic: true,
+    }
+}
+
+#[test]
+fn tables_round_trip_through_load_table_and_write_back() {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut cpu = check::collection(&case(WeightPrecision::Bf16));
+    let mut gpu = CudaEbc::emulated(&cpu).unwrap();
+    gpu.set_bounds_check(BoundsCheckMode::Ignore);
+    // Two steps on the emulator, then its tables into a fresh CPU collection: the same as
+    // two steps on the CPU.
+    for step in 0..2 {
+        let kjt = check::batch(&mut rng, true, step);
+        let grad = check::gradient(&mut rng, &kjt, cpu.width());
+        cpu.backward_and_update(&kjt, &grad).unwrap();
+        gpu.backward_and_update(&kjt, &gpu.upload(&grad).unwrap()).unwrap();
+    }
+    let mut back = check::collection(&case(WeightPrecision::Bf16));
+    gpu.write_back(&mut back).unwrap();
+    for t in ["a", "b", "c"] {
+        assert_eq!(back.table_weights(t), cpu.table_weights(t), "{t}");
+        assert_eq!(back.optimizer_state(t), cpu.optimizer_state(t), "{t}");
+        assert_eq!(back.step_count(t), Some(2));
+    }
+    // And back: a fresh emulated collection loaded from the CPU one's tables.
+    let mut fresh = CudaEbc::emulated(&check::collection(&case(WeightPrecision::Bf16))).unwrap();
+    for t in ["a", "b", "c"] {
+        let (w, s) = (cpu.table_weights(t).unwrap(), cpu.optimizer_state(t).unwrap());
+        fresh.load_table(t, &w, &s, 2).unwrap();
+        assert_eq!(fresh.table_weights(t).unwrap(), w);
+        assert_eq!(fresh.optimizer_state(t).unwrap(), s);
+        assert_eq!(fresh.step_count(t).unwrap(), 2);
+    }
+    let e = fresh.load_table("a", &[0.0; 3], &[], 0).unwrap_err().to_string();
+    assert!(e.contains("\"a\"") && e.contains("3 weights") && e.contains("expected 88"), "{e}");
+}
+
+#[test]
+fn sequence_lookups_and_bounds_errors_match_the_cpu_collection() {
+    let cpu = check::collection(&case(WeightPrecision::Fp16));
+    let mut gpu = CudaEbc::emulated(&cpu).unwrap();
+    let w = cpu.table_weights("c").unwrap();
+    let ids = [4i64, 0, 16, 4];
+    let rows = gpu.download(&gpu.lookup_rows("c", &ids).unwrap()).unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(rows[i * 70..][..70], w[id as usize * 70..][..70], "id {id}");
+    }
+    let e = gpu.lookup_rows("c", &[3, 17]).err().unwrap().to_string();
+    assert!(e.contains("id 17") && e.contains("\"c\""), "{e}");
+    // The forward's bounds error is the CPU collection's.
+    let mut kjt = check::batch(&mut rand::SeedableRng::seed_from_u64(1), false, 0);
+    kjt.values_per_key_mut()[1][0] = 30;
+    let mut strict = check::collection(&case(WeightPrecision::Fp16));
+    strict.set_bounds_check(BoundsCheckMode::Fatal);
+    let want = strict.forward(&kjt).unwrap_err().to_string();
+    gpu.set_bounds_check(BoundsCheckMode::Fatal);
+    let got = gpu.forward(&kjt).err().unwrap().to_string();
+    assert_eq!(got, want);
+}
