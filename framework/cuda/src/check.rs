@@ -138,8 +138,8 @@ fn compare(a: &[f32], b: &[f32]) -> (f64, bool) {
 }
 
 /// Runs every case on GPU `device` and on the CPU collection: per case the largest
-/// difference of the forward outputs, weights and optimizer states over the steps, and
-/// whether they were bit-identical.
+/// difference of the pooled forward outputs (and sequence lookups of table c after each
+/// update), weights and optimizer states over the steps, and whether they were bit-identical.
 pub fn run_on_gpu(device: usize) -> Result<Value, CudaError> {
     run_with(|cpu| crate::CudaEbc::from_cpu(cpu, device))
 }
@@ -170,6 +170,14 @@ pub fn run_with(
             let dev_grad = gpu.upload(&grad)?;
             cpu.backward_and_update(&kjt, &grad)?;
             gpu.backward_and_update(&kjt, &dev_grad)?;
+            // Sequence lookups of the updated tables: each row as the CPU collection holds it.
+            let ids: Vec<i64> = kjt.values().iter().map(|&v| if (0..17).contains(&v) { v } else { 0 }).collect();
+            let rows = gpu.download(&gpu.lookup_rows("c", &ids)?)?;
+            let c = cpu.table_weights("c").unwrap_or_default();
+            let want: Vec<f32> = ids.iter().flat_map(|&i| c[i as usize * 70..][..70].iter().copied()).collect();
+            let (d, s) = compare(&rows, &want);
+            fwd = fwd.max(d);
+            same &= s;
             for t in ["a", "b", "c"] {
                 let (d, s) = compare(&gpu.table_weights(t)?, &cpu.table_weights(t).unwrap_or_default());
                 w = w.max(d);

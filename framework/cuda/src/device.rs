@@ -286,8 +286,13 @@ impl CudaEbc {
             )));
         }
         let be = &self.backend;
-        for t in 0..self.tables.len() {
-            let occ = self.layout.occurrences(kjt, &keys, t);
+        // The host's part: every table's occurrences sorted into unique rows, in parallel.
+        let layout = &self.layout;
+        let lists: Vec<host::Occurrences> = {
+            use rayon::prelude::*;
+            (0..self.tables.len()).into_par_iter().map(|t| layout.occurrences(kjt, &keys, t)).collect()
+        };
+        for (t, occ) in lists.into_iter().enumerate() {
             let table = &mut self.tables[t];
             table.iter += 1;
             if occ.rows.is_empty() {

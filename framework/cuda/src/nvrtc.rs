@@ -93,7 +93,19 @@ pub fn nvrtc_location() -> Result<Option<PathBuf>, CudaError> {
 /// Compiles [`KERNEL_SOURCE`] to PTX for `arch` (e.g. `compute_90`) with the options that keep
 /// results identical to the CPU engine's: no FMA contraction, IEEE division and square root,
 /// no flush to zero.
+/// Compiled once per architecture and process (every collection of a process shares it).
 pub fn compile_ptx(arch: &str) -> Result<Ptx, CudaError> {
+    static COMPILED: OnceLock<std::sync::Mutex<std::collections::HashMap<String, String>>> = OnceLock::new();
+    let cache = COMPILED.get_or_init(Default::default);
+    if let Some(src) = cache.lock().expect("the PTX cache").get(arch) {
+        return Ok(Ptx::from_src(src.clone()));
+    }
+    let src = compile_uncached(arch)?.to_src();
+    cache.lock().expect("the PTX cache").insert(arch.to_string(), src.clone());
+    Ok(Ptx::from_src(src))
+}
+
+fn compile_uncached(arch: &str) -> Result<Ptx, CudaError> {
     load().clone()?;
     let opts = CompileOptions {
         ftz: Some(false),
