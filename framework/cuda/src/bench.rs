@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, StandardNormal};
 use serde_json::{Value, json};
-use trainrec_embedding::bench::{EbcBench, make_batches, min_bytes, rate, summarize};
+use trainrec_embedding::bench::{EbcBench, make_batches, results};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode};
 
 use crate::{CudaEbc, CudaError};
@@ -63,31 +63,10 @@ pub fn run(a: &EbcBench, device: usize) -> Result<Value, CudaError> {
         fwd.push(t.elapsed().as_secs_f64());
         drop(out);
     }
-    let b = a.batch as f64;
-    let (lookups, uniq_rows, bytes_fwd, bytes_bwd) = min_bytes(a, uniq);
-    let step_s = summarize(&ts);
-    let median = step_s["median_s"].as_f64().unwrap_or(f64::NAN);
-    let fwd_s = (!fwd.is_empty()).then(|| summarize(&fwd));
-    let fwd_gbps = fwd_s.as_ref().and_then(|f| f["median_s"].as_f64()).map(|m| bytes_fwd / m / 1e9);
     let info = gpu.info().clone();
-    Ok(json!({
-        "workload": "w1_ebc_fused_train",
-        "impl": "trainrec-cuda",
-        "device": {"name": info.name, "compute_capability": [info.compute_capability.0, info.compute_capability.1]},
-        "config": {
-            "tables": a.tables, "rows": a.rows, "dim": a.dim, "pooling": a.pooling, "batch": a.batch,
-            "steps": a.steps, "warmup": a.warmup, "fwd_steps": a.fwd_steps, "num_batches": a.num_batches,
-            "optimizer": a.optimizer, "seed": a.seed,
-        },
-        "step": step_s,
-        "fwd_only": fwd_s,
-        "steps_per_s": rate(&ts, 1.0),
-        "samples_per_s": rate(&ts, b),
-        "unique_rows_per_step": uniq_rows,
-        "unique_frac": uniq_rows / lookups,
-        "min_bytes_per_step": bytes_fwd + bytes_bwd,
-        "implied_GBps_at_median": (bytes_fwd + bytes_bwd) / median / 1e9,
-        "fwd_implied_GBps_at_median": fwd_gbps,
-        "build_s": build_s,
-    }))
+    let mut out = results(a, "trainrec-cuda", &ts, &fwd, uniq);
+    out["device"] =
+        json!({"name": info.name, "compute_capability": [info.compute_capability.0, info.compute_capability.1]});
+    out["build_s"] = json!(build_s);
+    Ok(out)
 }

@@ -65,6 +65,16 @@ struct DeviceTable {
     iter: u64,
 }
 
+impl DeviceTable {
+    /// Where its weights start (the kernels' `table` argument).
+    fn weights_addr(&self, be: &Backend) -> u64 {
+        match &self.weights {
+            Weights::F32(w) => be.addr(w, 0),
+            Weights::Bits(w) => be.addr(w, 0),
+        }
+    }
+}
+
 /// A batch's ids in the backend's memory: the KJT's values, its bag offsets and per-id weights.
 struct DeviceBatch {
     values: Buf<i64>,
@@ -225,12 +235,8 @@ impl CudaEbc {
         let weights = batch.weights.as_ref().map_or(0, |w| be.addr(w, 0));
         for (o, &k) in self.layout.outputs.iter().zip(&keys) {
             let t = &self.tables[o.table];
-            let table = match &t.weights {
-                Weights::F32(w) => be.addr(w, 0),
-                Weights::Bits(w) => be.addr(w, 0),
-            };
             let args = [
-                Arg::Ptr(table),
+                Arg::Ptr(t.weights_addr(be)),
                 Arg::I64(t.spec.rows as i64),
                 Arg::I32(t.spec.dim as i32),
                 Arg::Ptr(be.addr(&batch.values, 0)),
@@ -301,12 +307,8 @@ impl CudaEbc {
             let step = StepArgs::new(&table.spec, table.iter);
             let (rows, seg) = (be.upload(&occ.rows)?, be.upload(&occ.seg)?);
             let (src, scale) = (be.upload(&occ.src)?, be.upload(&occ.scale)?);
-            let weights = match &table.weights {
-                Weights::F32(w) => be.addr(w, 0),
-                Weights::Bits(w) => be.addr(w, 0),
-            };
             let args = [
-                Arg::Ptr(weights),
+                Arg::Ptr(table.weights_addr(be)),
                 Arg::Ptr(be.addr(&table.state, 0)),
                 Arg::I32(table.spec.dim as i32),
                 Arg::I32(table.spec.state_per_row as i32),
@@ -347,12 +349,8 @@ impl CudaEbc {
             return Ok(DeviceBuffer(out));
         }
         let dev_ids = be.upload(ids)?;
-        let table = match &t.weights {
-            Weights::F32(w) => be.addr(w, 0),
-            Weights::Bits(w) => be.addr(w, 0),
-        };
         let args = [
-            Arg::Ptr(table),
+            Arg::Ptr(t.weights_addr(be)),
             Arg::I64(t.spec.rows as i64),
             Arg::I32(t.spec.dim as i32),
             Arg::Ptr(be.addr(&dev_ids, 0)),

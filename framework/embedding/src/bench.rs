@@ -243,39 +243,44 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
             Some(interval) => Some(time_mc(a, interval, &batches, &grad, &mut ebc, &ts)?),
             None => None,
         };
-        let b = a.batch as f64;
-        let (lookups, uniq_rows, bytes_fwd, bytes_bwd) = min_bytes(a, uniq);
-        let step_s = summarize(&ts);
-        let median = step_s["median_s"].as_f64().unwrap_or(f64::NAN);
-        let fwd_s = (!fwd.is_empty()).then(|| summarize(&fwd));
-        let fwd_gbps = fwd_s.as_ref().and_then(|f| f["median_s"].as_f64()).map(|m| bytes_fwd / m / 1e9);
-        Ok(json!({
-            "workload": "w1_ebc_fused_train",
-            "impl": "trainrec",
-            "config": {
-                "tables": a.tables, "rows": a.rows, "dim": a.dim, "pooling": a.pooling, "batch": a.batch,
-                "dist": match a.dist { IdDist::Uniform => "uniform", IdDist::Zipf(_) => "zipf" },
-                "alpha": match a.dist { IdDist::Zipf(x) => x, IdDist::Uniform => 1.05 },
-                "steps": a.steps, "warmup": a.warmup, "fwd_steps": a.fwd_steps, "num_batches": a.num_batches,
-                "optimizer": a.optimizer, "threads": threads, "seed": a.seed,
-            },
-            "step": step_s,
-            "fwd_only": fwd_s,
-            "steps_per_s": rate(&ts, 1.0),
-            "samples_per_s": rate(&ts, b),
-            "unique_rows_per_step": uniq_rows,
-            "unique_frac": uniq_rows / lookups,
-            "min_bytes_per_step": bytes_fwd + bytes_bwd,
-            "implied_GBps_at_median": (bytes_fwd + bytes_bwd) / median / 1e9,
-            "fwd_implied_GBps_at_median": fwd_gbps,
-            "build_s": build_s,
-            "mc": mc,
-            "quant": quant,
-            "env": {
-                "threads": threads,
-                "others_busy_cores_timed": [busy_step, busy_fwd],
-            },
-        }))
+        let mut out = results(a, "trainrec", &ts, &fwd, uniq);
+        out["config"]["threads"] = json!(threads);
+        out["build_s"] = json!(build_s);
+        out["mc"] = json!(mc);
+        out["quant"] = json!(quant);
+        out["env"] = json!({"threads": threads, "others_busy_cores_timed": [busy_step, busy_fwd]});
+        Ok(out)
+    })
+}
+
+/// The JSON fields every implementation of the benchmark reports (`impl` names it): its
+/// configuration, step and forward-only times, rates, unique rows, and the bandwidth the
+/// least bytes per step imply (see [`min_bytes`]).
+pub fn results(a: &EbcBench, implementation: &str, ts: &[f64], fwd: &[f64], uniq: f64) -> Value {
+    let (lookups, uniq_rows, bytes_fwd, bytes_bwd) = min_bytes(a, uniq);
+    let step_s = summarize(ts);
+    let median = step_s["median_s"].as_f64().unwrap_or(f64::NAN);
+    let fwd_s = (!fwd.is_empty()).then(|| summarize(fwd));
+    let fwd_gbps = fwd_s.as_ref().and_then(|f| f["median_s"].as_f64()).map(|m| bytes_fwd / m / 1e9);
+    json!({
+        "workload": "w1_ebc_fused_train",
+        "impl": implementation,
+        "config": {
+            "tables": a.tables, "rows": a.rows, "dim": a.dim, "pooling": a.pooling, "batch": a.batch,
+            "dist": match a.dist { IdDist::Uniform => "uniform", IdDist::Zipf(_) => "zipf" },
+            "alpha": match a.dist { IdDist::Zipf(x) => x, IdDist::Uniform => 1.05 },
+            "steps": a.steps, "warmup": a.warmup, "fwd_steps": a.fwd_steps, "num_batches": a.num_batches,
+            "optimizer": a.optimizer, "seed": a.seed,
+        },
+        "step": step_s,
+        "fwd_only": fwd_s,
+        "steps_per_s": rate(ts, 1.0),
+        "samples_per_s": rate(ts, a.batch as f64),
+        "unique_rows_per_step": uniq_rows,
+        "unique_frac": uniq_rows / lookups,
+        "min_bytes_per_step": bytes_fwd + bytes_bwd,
+        "implied_GBps_at_median": (bytes_fwd + bytes_bwd) / median / 1e9,
+        "fwd_implied_GBps_at_median": fwd_gbps,
     })
 }
 

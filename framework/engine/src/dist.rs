@@ -197,15 +197,9 @@ impl SparseArch {
         match self {
             Self::Local(ebc) => ebc
                 .table_configs()
-                .map(|t| trainrec_dist::LocalShard {
-                    table: t.name.clone(),
-                    table_shape: [t.rows as usize, t.dim],
-                    rows: 0..t.rows,
-                    cols: 0..t.dim,
-                    replicated: false,
-                    weights: ebc.table_weights(&t.name).unwrap_or_default(),
-                    optimizer_state: ebc.optimizer_state(&t.name).unwrap_or_default(),
-                    step_count: ebc.step_count(&t.name).unwrap_or(0),
+                .map(|t| {
+                    let n = &t.name;
+                    whole_table(n, t.rows, t.dim, ebc.table_weights(n), ebc.optimizer_state(n), ebc.step_count(n))
                 })
                 .collect(),
             Self::Sharded(s) => s.local_shards(),
@@ -214,15 +208,16 @@ impl SparseArch {
                 .layout()
                 .tables
                 .iter()
-                .map(|t| trainrec_dist::LocalShard {
-                    table: t.name.clone(),
-                    table_shape: [t.rows as usize, t.dim],
-                    rows: 0..t.rows,
-                    cols: 0..t.dim,
-                    replicated: false,
-                    weights: gpu.table_weights(&t.name).unwrap_or_default(),
-                    optimizer_state: gpu.optimizer_state(&t.name).unwrap_or_default(),
-                    step_count: gpu.step_count(&t.name).unwrap_or(0),
+                .map(|t| {
+                    let n = &t.name;
+                    whole_table(
+                        n,
+                        t.rows,
+                        t.dim,
+                        gpu.table_weights(n).ok(),
+                        gpu.optimizer_state(n).ok(),
+                        gpu.step_count(n).ok(),
+                    )
                 })
                 .collect(),
         }
@@ -273,6 +268,27 @@ impl SparseArch {
             Self::Quantized(q) => Ok(q.dequantized(name)),
             Self::Cuda(gpu) => Ok(gpu.table_weights(name).ok()),
         }
+    }
+}
+
+/// A whole table as one rank's only shard of it.
+fn whole_table(
+    name: &str,
+    rows: u64,
+    dim: usize,
+    weights: Option<Vec<f32>>,
+    state: Option<Vec<f32>>,
+    steps: Option<u64>,
+) -> trainrec_dist::LocalShard {
+    trainrec_dist::LocalShard {
+        table: name.to_string(),
+        table_shape: [rows as usize, dim],
+        rows: 0..rows,
+        cols: 0..dim,
+        replicated: false,
+        weights: weights.unwrap_or_default(),
+        optimizer_state: state.unwrap_or_default(),
+        step_count: steps.unwrap_or(0),
     }
 }
 

@@ -17,124 +17,24 @@ pub enum Precision {
     Bf16,
 }
 
-type Pool = unsafe extern "C" fn(
-    u32,
-    *const c_void,
-    i64,
-    i32,
-    *const i64,
-    *const i64,
-    *const f32,
-    i64,
-    i32,
-    *mut f32,
-    i64,
-    i64,
-);
-type Gather = unsafe extern "C" fn(u32, *const c_void, i64, i32, *const i64, i64, *mut f32);
-type Update = unsafe extern "C" fn(
-    u32,
-    *mut c_void,
-    *mut f32,
-    i32,
-    i32,
-    *const i64,
-    *const u32,
-    *const u32,
-    *const f32,
-    i64,
-    *const f32,
-    *const c_void,
-);
+/// The entry points of csrc/emu.cpp for one precision, every pointer as a 64-bit address (passed
+/// like a pointer on the 64-bit targets trainrec builds for).
+macro_rules! entry_points {
+    ($($pool:ident, $gather:ident, $update:ident;)*) => {
+        unsafe extern "C" {
+            $(
+                fn $pool(g: u32, t: u64, r: i64, d: i32, v: u64, o: u64, w: u64, n: i64, m: i32, out: u64, width: i64, col: i64);
+                fn $gather(g: u32, t: u64, r: i64, d: i32, ids: u64, n: i64, out: u64);
+                fn $update(g: u32, t: u64, s: u64, d: i32, spr: i32, rows: u64, seg: u64, src: u64, scale: u64, u: i64, grad: u64, args: *const c_void);
+            )*
+        }
+    };
+}
 
-unsafe extern "C" {
-    fn emu_pool_f32(
-        g: u32,
-        t: *const c_void,
-        r: i64,
-        d: i32,
-        v: *const i64,
-        o: *const i64,
-        w: *const f32,
-        n: i64,
-        m: i32,
-        out: *mut f32,
-        width: i64,
-        col: i64,
-    );
-    fn emu_pool_f16(
-        g: u32,
-        t: *const c_void,
-        r: i64,
-        d: i32,
-        v: *const i64,
-        o: *const i64,
-        w: *const f32,
-        n: i64,
-        m: i32,
-        out: *mut f32,
-        width: i64,
-        col: i64,
-    );
-    fn emu_pool_bf16(
-        g: u32,
-        t: *const c_void,
-        r: i64,
-        d: i32,
-        v: *const i64,
-        o: *const i64,
-        w: *const f32,
-        n: i64,
-        m: i32,
-        out: *mut f32,
-        width: i64,
-        col: i64,
-    );
-    fn emu_gather_f32(g: u32, t: *const c_void, r: i64, d: i32, ids: *const i64, n: i64, out: *mut f32);
-    fn emu_gather_f16(g: u32, t: *const c_void, r: i64, d: i32, ids: *const i64, n: i64, out: *mut f32);
-    fn emu_gather_bf16(g: u32, t: *const c_void, r: i64, d: i32, ids: *const i64, n: i64, out: *mut f32);
-    fn emu_update_f32(
-        g: u32,
-        t: *mut c_void,
-        s: *mut f32,
-        d: i32,
-        spr: i32,
-        rows: *const i64,
-        seg: *const u32,
-        src: *const u32,
-        scale: *const f32,
-        u: i64,
-        grad: *const f32,
-        args: *const c_void,
-    );
-    fn emu_update_f16(
-        g: u32,
-        t: *mut c_void,
-        s: *mut f32,
-        d: i32,
-        spr: i32,
-        rows: *const i64,
-        seg: *const u32,
-        src: *const u32,
-        scale: *const f32,
-        u: i64,
-        grad: *const f32,
-        args: *const c_void,
-    );
-    fn emu_update_bf16(
-        g: u32,
-        t: *mut c_void,
-        s: *mut f32,
-        d: i32,
-        spr: i32,
-        rows: *const i64,
-        seg: *const u32,
-        src: *const u32,
-        scale: *const f32,
-        u: i64,
-        grad: *const f32,
-        args: *const c_void,
-    );
+entry_points! {
+    emu_pool_f32, emu_gather_f32, emu_update_f32;
+    emu_pool_f16, emu_gather_f16, emu_update_f16;
+    emu_pool_bf16, emu_gather_bf16, emu_update_bf16;
 }
 
 /// `trainrec_pool_*` over `grid` blocks: pools the bags of `offsets` (absolute into
@@ -160,30 +60,11 @@ pub unsafe fn pool(
     width: i64,
     col: i64,
 ) {
-    let f: Pool = match precision {
-        Precision::F32 => emu_pool_f32,
-        Precision::F16 => emu_pool_f16,
-        Precision::Bf16 => emu_pool_bf16,
-    };
     let n = offsets.len() as i64 - 1;
-    let w = weights.map_or(std::ptr::null(), <[f32]>::as_ptr);
+    let w = weights.map_or(0, |w| w.as_ptr() as u64);
+    let (v, o, out) = (values.as_ptr() as u64, offsets.as_ptr() as u64, out.as_mut_ptr() as u64);
     // SAFETY: the caller's contract.
-    unsafe {
-        f(
-            grid,
-            table,
-            rows,
-            dim,
-            values.as_ptr(),
-            offsets.as_ptr(),
-            w,
-            n,
-            i32::from(mean),
-            out.as_mut_ptr(),
-            width,
-            col,
-        )
-    }
+    unsafe { raw_pool(grid, precision, table as u64, rows, dim, v, o, w, n, i32::from(mean), out, width, col) }
 }
 
 /// `trainrec_gather_*`: the rows of `ids` into `out` (`ids.len() * dim` floats).
@@ -199,13 +80,9 @@ pub unsafe fn gather(
     ids: &[i64],
     out: &mut [f32],
 ) {
-    let f: Gather = match precision {
-        Precision::F32 => emu_gather_f32,
-        Precision::F16 => emu_gather_f16,
-        Precision::Bf16 => emu_gather_bf16,
-    };
+    let (i, n, o) = (ids.as_ptr() as u64, ids.len() as i64, out.as_mut_ptr() as u64);
     // SAFETY: the caller's contract.
-    unsafe { f(grid, table, rows, dim, ids.as_ptr(), ids.len() as i64, out.as_mut_ptr()) }
+    unsafe { raw_gather(grid, precision, table as u64, rows, dim, i, n, o) }
 }
 
 /// `trainrec_update_*`: the fused backward + optimizer over the unique rows `rows` with
@@ -230,25 +107,22 @@ pub unsafe fn update(
     grad: &[f32],
     args: *const c_void,
 ) {
-    let f: Update = match precision {
-        Precision::F32 => emu_update_f32,
-        Precision::F16 => emu_update_f16,
-        Precision::Bf16 => emu_update_bf16,
-    };
+    let a = |p: *const u8| p as u64;
     // SAFETY: the caller's contract.
     unsafe {
-        f(
+        raw_update(
             grid,
-            table,
-            state,
+            precision,
+            table as u64,
+            state as u64,
             dim,
             spr,
-            rows.as_ptr(),
-            seg.as_ptr(),
-            src.as_ptr(),
-            scale.as_ptr(),
+            a(rows.as_ptr().cast()),
+            a(seg.as_ptr().cast()),
+            a(src.as_ptr().cast()),
+            a(scale.as_ptr().cast()),
             rows.len() as i64,
-            grad.as_ptr(),
+            a(grad.as_ptr().cast()),
             args,
         )
     }
@@ -274,28 +148,13 @@ pub unsafe fn raw_pool(
     width: i64,
     col: i64,
 ) {
-    let f: Pool = match precision {
+    let f = match precision {
         Precision::F32 => emu_pool_f32,
         Precision::F16 => emu_pool_f16,
         Precision::Bf16 => emu_pool_bf16,
     };
     // SAFETY: the caller's contract.
-    unsafe {
-        f(
-            grid,
-            table as *const c_void,
-            rows,
-            dim,
-            values as *const i64,
-            offsets as *const i64,
-            weights as *const f32,
-            n,
-            mean,
-            out as *mut f32,
-            width,
-            col,
-        )
-    }
+    unsafe { f(grid, table, rows, dim, values, offsets, weights, n, mean, out, width, col) }
 }
 
 /// `trainrec_gather_*` with addresses.
@@ -304,13 +163,13 @@ pub unsafe fn raw_pool(
 /// As [`gather`].
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn raw_gather(grid: u32, precision: Precision, table: u64, rows: i64, dim: i32, ids: u64, n: i64, out: u64) {
-    let f: Gather = match precision {
+    let f = match precision {
         Precision::F32 => emu_gather_f32,
         Precision::F16 => emu_gather_f16,
         Precision::Bf16 => emu_gather_bf16,
     };
     // SAFETY: the caller's contract.
-    unsafe { f(grid, table as *const c_void, rows, dim, ids as *const i64, n, out as *mut f32) }
+    unsafe { f(grid, table, rows, dim, ids, n, out) }
 }
 
 /// `trainrec_update_*` with addresses.
@@ -333,26 +192,11 @@ pub unsafe fn raw_update(
     grad: u64,
     args: *const c_void,
 ) {
-    let f: Update = match precision {
+    let f = match precision {
         Precision::F32 => emu_update_f32,
         Precision::F16 => emu_update_f16,
         Precision::Bf16 => emu_update_bf16,
     };
     // SAFETY: the caller's contract.
-    unsafe {
-        f(
-            grid,
-            table as *mut c_void,
-            state as *mut f32,
-            dim,
-            spr,
-            rows as *const i64,
-            seg as *const u32,
-            src as *const u32,
-            scale as *const f32,
-            uniques,
-            grad as *const f32,
-            args,
-        )
-    }
+    unsafe { f(grid, table, state, dim, spr, rows, seg, src, scale, uniques, grad, args) }
 }
