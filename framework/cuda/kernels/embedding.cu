@@ -344,6 +344,22 @@ __device__ void update(W* __restrict__ table, float* __restrict__ state, int dim
     }
 }
 
+// ------------------------------------------------------------------ cache slots
+
+// Copies n records of `bytes` bytes: record i from src + (src_rows ? src_rows[i] : i) *
+// src_stride to dst + (dst_rows ? dst_rows[i] : i) * dst_stride (a cache's slots to and from
+// a staging buffer). One warp per record, lanes over its bytes.
+extern "C" __global__ void trainrec_copy_rows(const unsigned char* __restrict__ src, i64 src_stride,
+                                              const i64* __restrict__ src_rows, unsigned char* __restrict__ dst,
+                                              i64 dst_stride, const i64* __restrict__ dst_rows, i64 n, i64 bytes) {
+    int lane = threadIdx.x, warp = threadIdx.y;
+    for (i64 i = (i64)blockIdx.x * WARPS + warp; i < n; i += (i64)gridDim.x * WARPS) {
+        const unsigned char* from = src + (src_rows ? src_rows[i] : i) * src_stride;
+        unsigned char* to = dst + (dst_rows ? dst_rows[i] : i) * dst_stride;
+        for (i64 b = lane; b < bytes; b += 32) to[b] = from[b];
+    }
+}
+
 // ------------------------------------------------------------------ entry points
 
 #define ENTRY_POINTS(SUFFIX, W)                                                                                \

@@ -54,6 +54,8 @@ pub(crate) enum Kernel {
     Pool,
     Gather,
     Update,
+    /// `trainrec_copy_rows` (bytes: no precision).
+    CopyRows,
 }
 
 impl Kernel {
@@ -62,6 +64,7 @@ impl Kernel {
             Self::Pool => "pool",
             Self::Gather => "gather",
             Self::Update => "update",
+            Self::CopyRows => "copy_rows",
         }
     }
 }
@@ -76,7 +79,10 @@ pub(crate) enum Backend {
 }
 
 fn entry(kernel: Kernel, p: WeightPrecision) -> String {
-    format!("trainrec_{}_{}", kernel.name(), host::suffix(p))
+    match kernel {
+        Kernel::CopyRows => "trainrec_copy_rows".into(),
+        _ => format!("trainrec_{}_{}", kernel.name(), host::suffix(p)),
+    }
 }
 
 impl Backend {
@@ -96,6 +102,8 @@ impl Backend {
                 functions.insert(name, f);
             }
         }
+        let copy = entry(Kernel::CopyRows, WeightPrecision::Fp32);
+        functions.insert(copy.clone(), module.load_function(&copy).map_err(driver("cuModuleGetFunction"))?);
         Ok(Self::Cuda { stream, functions })
     }
 
@@ -150,6 +158,14 @@ impl Backend {
             }
             #[cfg(feature = "emulator")]
             (Self::Emulator, Buf::Dev(_)) => unreachable!("the emulator holds host buffers"),
+        }
+    }
+
+    /// The address of element `offset` of a buffer a kernel writes.
+    pub(crate) fn addr_mut<T>(&self, b: &mut Buf<T>, offset: usize) -> u64 {
+        match b {
+            Buf::Host(h) => h[offset..].as_mut_ptr() as u64,
+            dev => self.addr(dev, offset),
         }
     }
 
@@ -258,6 +274,9 @@ unsafe fn emulate(kernel: Kernel, p: WeightPrecision, grid: u32, args: &[Arg]) {
                 int(10),
             ),
             Kernel::Gather => emu::raw_gather(grid, precision, ptr(0), int(1), int(2) as i32, ptr(3), int(4), ptr(5)),
+            Kernel::CopyRows => {
+                emu::raw_copy_rows(grid, ptr(0), int(1), ptr(2), ptr(3), int(4), ptr(5), int(6), int(7))
+            }
             Kernel::Update => {
                 let Arg::Step(step) = &args[10] else { panic!("argument 10 of update is not the step") };
                 emu::raw_update(

@@ -2,9 +2,12 @@
 //! device memory and whose lookups and updates run the NVRTC-compiled kernels.
 
 use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::CudaContext;
-use trainrec_embedding::{BoundsCheckMode, EmbeddingBagCollection, PoolingMode};
+use trainrec_embedding::{
+    BoundsCheckMode, EmbeddingBagCollection, EmbeddingError, PoolingMode, RowCache, SlotStore, WeightPrecision,
+};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::CudaError;
@@ -59,19 +62,179 @@ enum Weights {
 
 struct DeviceTable {
     spec: TableSpec,
+    /// The table's rows, or a cached table's slots.
     weights: Weights,
     state: Buf<f32>,
     /// Updates applied so far.
     iter: u64,
+    /// A cached table's cache: which rows are in which slots, and the whole table in host
+    /// memory (its backing file).
+    cache: Option<RowCache>,
+}
+
+impl Weights {
+    fn addr(&self, be: &Backend) -> u64 {
+        match self {
+            Self::F32(w) => be.addr(w, 0),
+            Self::Bits(w) => be.addr(w, 0),
+        }
+    }
 }
 
 impl DeviceTable {
     /// Where its weights start (the kernels' `table` argument).
     fn weights_addr(&self, be: &Backend) -> u64 {
-        match &self.weights {
-            Weights::F32(w) => be.addr(w, 0),
-            Weights::Bits(w) => be.addr(w, 0),
+        self.weights.addr(be)
+    }
+
+    /// [`Self::weights_addr`] for kernels that write the weights.
+    fn weights_addr_mut(&mut self, be: &Backend) -> u64 {
+        match &mut self.weights {
+            Weights::F32(w) => be.addr_mut(w, 0),
+            Weights::Bits(w) => be.addr_mut(w, 0),
         }
+    }
+
+    /// Rows the kernels address: the table's, or its cache's slots.
+    fn kernel_rows(&self) -> i64 {
+        self.cache.as_ref().map_or(self.spec.rows, |c| u64::from(c.slots())) as i64
+    }
+
+    fn wbytes(&self) -> usize {
+        self.spec.dim * if self.spec.precision == WeightPrecision::Fp32 { 4 } else { 2 }
+    }
+
+    /// Makes `rows` resident in the cache and pins them (see [`RowCache::pin`]): the slots.
+    fn pin(&mut self, be: &Backend, rows: &[u32]) -> Result<Vec<u32>, CudaError> {
+        let (weights, state) = (self.weights_addr_mut(be), be.addr_mut(&mut self.state, 0));
+        let mut store = DeviceSlots { be, weights, state, wbytes: self.wbytes(), spr: self.spec.state_per_row };
+        let cache = self.cache.as_mut().expect("a cached table");
+        Ok(cache.pin(&self.spec.name, &mut store, rows.iter().copied())?)
+    }
+
+    /// A cached table's rows `rows` read without changing the cache: each id's position in a
+    /// new table of the distinct rows (in first-seen order), that table and its rows.
+    fn staged(&self, be: &Backend, rows: &[u32]) -> Result<(Vec<i64>, (Weights, i64)), CudaError> {
+        let mut index = std::collections::HashMap::new();
+        let mut distinct = Vec::new();
+        let ids = rows
+            .iter()
+            .map(|&r| {
+                *index.entry(r).or_insert_with(|| {
+                    distinct.push(r);
+                    distinct.len() as i64 - 1
+                })
+            })
+            .collect();
+        let mut store = DeviceSlots {
+            be,
+            weights: self.weights_addr(be),
+            state: be.addr(&self.state, 0),
+            wbytes: self.wbytes(),
+            spr: self.spec.state_per_row,
+        };
+        let cache = self.cache.as_ref().expect("a cached table");
+        let bytes = cache.read_rows(&mut store, &distinct)?;
+        let table = match host::stored_from_bytes(self.spec.precision, &bytes) {
+            StoredWeights::F32(v) => Weights::F32(be.upload(&v)?),
+            StoredWeights::Bits(v) => Weights::Bits(be.upload(&v)?),
+        };
+        Ok((ids, (table, distinct.len() as i64)))
+    }
+
+    /// The whole table as stored (weights' bytes, state), read through the cache if cached.
+    fn read_table(&self, be: &Backend) -> Result<(StoredWeights, Vec<f32>), CudaError> {
+        match &self.cache {
+            None => {
+                let w = match &self.weights {
+                    Weights::F32(w) => StoredWeights::F32(be.download(w)?),
+                    Weights::Bits(w) => StoredWeights::Bits(be.download(w)?),
+                };
+                let s = if self.spec.state_per_row == 0 { Vec::new() } else { be.download(&self.state)? };
+                Ok((w, s))
+            }
+            Some(cache) => {
+                let mut store = DeviceSlots {
+                    be,
+                    weights: self.weights_addr(be),
+                    state: be.addr(&self.state, 0),
+                    wbytes: self.wbytes(),
+                    spr: self.spec.state_per_row,
+                };
+                // Reads only: the store's write path is not used.
+                let (w, s) = cache.read_table(&mut store)?;
+                Ok((host::stored_from_bytes(self.spec.precision, &w), s))
+            }
+        }
+    }
+}
+
+/// A cached table's slots in the backend's memory, for its [`RowCache`]: records move
+/// between host staging buffers and the slots with `trainrec_copy_rows`.
+struct DeviceSlots<'a> {
+    be: &'a Backend,
+    weights: u64,
+    state: u64,
+    wbytes: usize,
+    spr: usize,
+}
+
+impl DeviceSlots<'_> {
+    /// Copies `n` records of `bytes` between `src` and `dst` (one side indexed by `rows`).
+    fn copy(&self, src: u64, src_rows: u64, dst: u64, dst_rows: u64, stride: usize, n: usize) -> Result<(), CudaError> {
+        let args = [
+            Arg::Ptr(src),
+            Arg::I64(stride as i64),
+            Arg::Ptr(src_rows),
+            Arg::Ptr(dst),
+            Arg::I64(stride as i64),
+            Arg::Ptr(dst_rows),
+            Arg::I64(n as i64),
+            Arg::I64(stride as i64),
+        ];
+        // SAFETY: trainrec_copy_rows's parameters; every record lies in its buffer (slots of
+        // the cache, staging buffers of n records).
+        unsafe { self.be.launch(Kernel::CopyRows, WeightPrecision::Fp32, n, &args) }
+    }
+
+    fn storage(e: CudaError) -> EmbeddingError {
+        EmbeddingError::Storage(e.to_string())
+    }
+}
+
+impl SlotStore for DeviceSlots<'_> {
+    fn read_slots(&mut self, slots: &[u32], weights: &mut [u8], state: &mut [f32]) -> Result<(), EmbeddingError> {
+        let be = self.be;
+        let mut run = || -> Result<(), CudaError> {
+            let idx: Vec<i64> = slots.iter().map(|&s| i64::from(s)).collect();
+            let idx = be.upload(&idx)?;
+            let mut w = be.zeros::<u8>(weights.len())?;
+            self.copy(self.weights, be.addr(&idx, 0), be.addr_mut(&mut w, 0), 0, self.wbytes, slots.len())?;
+            weights.copy_from_slice(&be.download(&w)?[..weights.len()]);
+            if self.spr > 0 {
+                let mut s = be.zeros::<f32>(state.len())?;
+                self.copy(self.state, be.addr(&idx, 0), be.addr_mut(&mut s, 0), 0, self.spr * 4, slots.len())?;
+                state.copy_from_slice(&be.download(&s)?[..state.len()]);
+            }
+            Ok(())
+        };
+        run().map_err(Self::storage)
+    }
+
+    fn write_slots(&mut self, slots: &[u32], weights: &[u8], state: &[f32]) -> Result<(), EmbeddingError> {
+        let be = self.be;
+        let run = || -> Result<(), CudaError> {
+            let idx: Vec<i64> = slots.iter().map(|&s| i64::from(s)).collect();
+            let idx = be.upload(&idx)?;
+            let w = be.upload(weights)?;
+            self.copy(be.addr(&w, 0), 0, self.weights, be.addr(&idx, 0), self.wbytes, slots.len())?;
+            if self.spr > 0 {
+                let s = be.upload(state)?;
+                self.copy(be.addr(&s, 0), 0, self.state, be.addr(&idx, 0), self.spr * 4, slots.len())?;
+            }
+            Ok(())
+        };
+        run().map_err(Self::storage)
     }
 }
 
@@ -103,12 +266,27 @@ impl DeviceBuffer {
 /// results (bit for bit: see the crate docs). Kernels run on the context's default stream,
 /// which orders them with libtorch's default stream. With feature `emulator`,
 /// [`CudaEbc::emulated`] runs the same code on host memory.
+///
+/// A cached table (`fused_uvm_caching`) keeps its cache's slots in GPU memory and the whole
+/// table in host memory (the CPU engine's [`RowCache`]: LRU or LFU, dirty rows written back
+/// on eviction). A batch's rows are made resident (missing ones copied in, in one batch)
+/// before its kernels run, and the update pins them until it is done.
 pub struct CudaEbc {
     layout: Layout,
     info: GpuInfo,
     backend: Backend,
-    tables: Vec<DeviceTable>,
+    /// Locked one at a time (lookups move a cached table's rows).
+    tables: Vec<Mutex<DeviceTable>>,
     bounds: BoundsCheckMode,
+}
+
+fn lock(t: &Mutex<DeviceTable>) -> MutexGuard<'_, DeviceTable> {
+    t.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Row of `id` in a table of `rows` (ids outside read row 0, as the kernels).
+fn clamp(id: i64, rows: u64) -> u32 {
+    if (id as u64) < rows { id as u32 } else { 0 }
 }
 
 impl CudaEbc {
@@ -141,14 +319,49 @@ impl CudaEbc {
         let mut tables = Vec::with_capacity(layout.tables.len());
         for spec in &layout.tables {
             let w = ebc.table_weights(&spec.name).expect("a table of this collection");
-            let weights = match host::to_stored(spec.precision, &w) {
-                StoredWeights::F32(v) => Weights::F32(backend.upload(&v)?),
-                StoredWeights::Bits(v) => Weights::Bits(backend.upload(&v)?),
-            };
             let s = ebc.optimizer_state(&spec.name).unwrap_or_default();
-            let state = if s.is_empty() { backend.zeros::<f32>(1)? } else { backend.upload(&s)? };
             let iter = ebc.step_count(&spec.name).unwrap_or(0);
-            tables.push(DeviceTable { spec: spec.clone(), weights, state, iter });
+            let half = spec.precision != WeightPrecision::Fp32;
+            let table = match &spec.cache {
+                None => {
+                    let weights = match host::to_stored(spec.precision, &w) {
+                        StoredWeights::F32(v) => Weights::F32(backend.upload(&v)?),
+                        StoredWeights::Bits(v) => Weights::Bits(backend.upload(&v)?),
+                    };
+                    let state = if s.is_empty() { backend.zeros::<f32>(1)? } else { backend.upload(&s)? };
+                    DeviceTable { spec: spec.clone(), weights, state, iter, cache: None }
+                }
+                Some(config) => {
+                    let slots = config.slots.min(spec.rows) as usize;
+                    let weights = if half {
+                        Weights::Bits(backend.zeros::<u16>(slots * spec.dim)?)
+                    } else {
+                        Weights::F32(backend.zeros::<f32>(slots * spec.dim)?)
+                    };
+                    let state = backend.zeros::<f32>(slots * spec.state_per_row)?;
+                    let cache = RowCache::with_precision(
+                        spec.precision,
+                        &spec.name,
+                        config,
+                        spec.rows,
+                        spec.dim,
+                        spec.state_per_row,
+                        |r| vec![0.0; (r.end - r.start) as usize * spec.dim],
+                    )?;
+                    let mut t = DeviceTable { spec: spec.clone(), weights, state, iter, cache: Some(cache) };
+                    // Nothing is resident yet: this fills the backing file.
+                    let zeros;
+                    let s = if s.is_empty() {
+                        zeros = vec![0f32; spec.rows as usize * spec.state_per_row];
+                        &zeros
+                    } else {
+                        &s
+                    };
+                    write_table(&mut t, &backend, &w, s)?;
+                    t
+                }
+            };
+            tables.push(Mutex::new(table));
         }
         Ok(Self { layout, info, backend, tables, bounds: BoundsCheckMode::Fatal })
     }
@@ -190,6 +403,12 @@ impl CudaEbc {
         self.backend.download(&b.0)
     }
 
+    /// A cached table's counters (`None` for tables in GPU memory whole).
+    pub fn cache_stats(&self, name: &str) -> Option<trainrec_embedding::CacheStats> {
+        let i = self.index(name).ok()?;
+        lock(&self.tables[i]).cache.as_ref().map(|c| c.stats)
+    }
+
     fn upload_batch(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<usize>, DeviceBatch), CudaError> {
         let keys = self.layout.resolve(kjt)?;
         if self.bounds == BoundsCheckMode::Fatal {
@@ -212,8 +431,8 @@ impl CudaEbc {
 
     /// Pooled lookups of `kjt`: `[batch, width]` in the collection's memory, row-major.
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<DeviceBuffer, CudaError> {
-        let out = self.backend.zeros::<f32>(kjt.stride() * self.width())?;
-        let addr = self.backend.addr(&out, 0);
+        let mut out = self.backend.zeros::<f32>(kjt.stride() * self.width())?;
+        let addr = self.backend.addr_mut(&mut out, 0);
         // SAFETY: `out` holds batch * width floats and outlives the launches (same stream).
         unsafe { self.forward_into_raw(kjt, addr)? };
         Ok(DeviceBuffer(out))
@@ -234,13 +453,46 @@ impl CudaEbc {
         let be = &self.backend;
         let weights = batch.weights.as_ref().map_or(0, |w| be.addr(w, 0));
         for (o, &k) in self.layout.outputs.iter().zip(&keys) {
-            let t = &self.tables[o.table];
+            let mut t = lock(&self.tables[o.table]);
+            // A cached table's ids become slots (its rows made resident first), or, when the
+            // batch has more distinct rows than the cache has slots, positions in a table of
+            // just those rows; with their own buffers.
+            let mut own = None;
+            let mut staged = None;
+            if t.cache.is_some() {
+                let f = kjt.feature(k);
+                let rows: Vec<u32> = f.values.iter().map(|&id| clamp(id, t.spec.rows)).collect();
+                let ids: Vec<i64> = match t.pin(be, &rows) {
+                    Ok(pinned) => {
+                        let cache = t.cache.as_mut().expect("a cached table");
+                        cache.unpin(&pinned, false);
+                        rows.iter().map(|&r| i64::from(cache.slot(r).expect("rows pinned by this call"))).collect()
+                    }
+                    Err(CudaError::Embedding(EmbeddingError::Config(_))) => {
+                        let (ids, table) = t.staged(be, &rows)?;
+                        staged = Some(table);
+                        ids
+                    }
+                    Err(e) => return Err(e),
+                };
+                let base = kjt.offsets()[k * b];
+                let offsets: Vec<i64> = kjt.offsets()[k * b..=k * b + b].iter().map(|&x| (x - base) as i64).collect();
+                own = Some((be.upload(&ids)?, be.upload(&offsets)?, f.weights.map(|w| be.upload(w)).transpose()?));
+            }
+            let (values, offsets, weights) = match &own {
+                Some((v, o, w)) => (be.addr(v, 0), be.addr(o, 0), w.as_ref().map_or(0, |w| be.addr(w, 0))),
+                None => (be.addr(&batch.values, 0), be.addr(&batch.offsets, k * b), weights),
+            };
+            let (table, rows) = match &staged {
+                Some((w, n)) => (w.addr(be), *n),
+                None => (t.weights_addr(be), t.kernel_rows()),
+            };
             let args = [
-                Arg::Ptr(t.weights_addr(be)),
-                Arg::I64(t.spec.rows as i64),
+                Arg::Ptr(table),
+                Arg::I64(rows),
                 Arg::I32(t.spec.dim as i32),
-                Arg::Ptr(be.addr(&batch.values, 0)),
-                Arg::Ptr(be.addr(&batch.offsets, k * b)),
+                Arg::Ptr(values),
+                Arg::Ptr(offsets),
                 Arg::Ptr(weights),
                 Arg::I64(b as i64),
                 Arg::I32(i32::from(t.spec.pooling == PoolingMode::Mean)),
@@ -250,7 +502,7 @@ impl CudaEbc {
             ];
             // SAFETY: the arguments match trainrec_pool_*'s parameters in order and type; every
             // index the kernel reads is inside its buffer (bags from the KJT's offsets, rows
-            // clamped to the table), and it writes b rows of `width` at `out`.
+            // clamped to the table or its slots), and it writes b rows of `width` at `out`.
             unsafe { be.launch(Kernel::Pool, t.spec.precision, b, &args)? };
         }
         // The batch's buffers are freed in stream order after the launches.
@@ -292,38 +544,71 @@ impl CudaEbc {
             )));
         }
         let be = &self.backend;
-        // The host's part: every table's occurrences sorted into unique rows, in parallel.
         let layout = &self.layout;
-        let lists: Vec<host::Occurrences> = {
-            use rayon::prelude::*;
-            (0..self.tables.len()).into_par_iter().map(|t| layout.occurrences(kjt, &keys, t)).collect()
-        };
-        for (t, occ) in lists.into_iter().enumerate() {
-            let table = &mut self.tables[t];
-            table.iter += 1;
-            if occ.rows.is_empty() {
+        // Cached tables: the batch's rows resident and pinned until their update is done.
+        let mut pins: Vec<Option<Vec<u32>>> = Vec::with_capacity(self.tables.len());
+        for (t, table) in self.tables.iter_mut().enumerate() {
+            let table = table.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if table.cache.is_none() {
+                pins.push(None);
                 continue;
             }
-            let step = StepArgs::new(&table.spec, table.iter);
-            let (rows, seg) = (be.upload(&occ.rows)?, be.upload(&occ.seg)?);
-            let (src, scale) = (be.upload(&occ.src)?, be.upload(&occ.scale)?);
-            let args = [
-                Arg::Ptr(table.weights_addr(be)),
-                Arg::Ptr(be.addr(&table.state, 0)),
-                Arg::I32(table.spec.dim as i32),
-                Arg::I32(table.spec.state_per_row as i32),
-                Arg::Ptr(be.addr(&rows, 0)),
-                Arg::Ptr(be.addr(&seg, 0)),
-                Arg::Ptr(be.addr(&src, 0)),
-                Arg::Ptr(be.addr(&scale, 0)),
-                Arg::I64(occ.rows.len() as i64),
-                Arg::Ptr(grad),
-                Arg::Step(step),
-            ];
-            // SAFETY: the arguments match trainrec_update_*'s parameters in order and type; the
-            // rows are unique (one warp each, no two writing one row), inside the table, and
-            // every occurrence's gradient lies in the `grad_len` floats at `grad`.
-            unsafe { be.launch(Kernel::Update, table.spec.precision, occ.rows.len(), &args)? };
+            let rows: Vec<u32> = layout
+                .outputs
+                .iter()
+                .zip(&keys)
+                .filter(|(o, _)| o.table == t)
+                .flat_map(|(_, &k)| kjt.feature(k).values.iter().map(|&id| clamp(id, table.spec.rows)))
+                .collect();
+            pins.push(Some(table.pin(be, &rows)?));
+        }
+        // The host's part: every table's occurrences sorted into unique rows (cached tables'
+        // by slot), in parallel.
+        let lists: Vec<host::Occurrences> = {
+            use rayon::prelude::*;
+            let tables = &self.tables;
+            (0..tables.len())
+                .into_par_iter()
+                .map(|t| {
+                    let table = lock(&tables[t]);
+                    match &table.cache {
+                        None => layout.occurrences(kjt, &keys, t),
+                        Some(c) => {
+                            layout.occurrences_in(kjt, &keys, t, |r| c.slot(r).expect("pinned rows are resident"))
+                        }
+                    }
+                })
+                .collect()
+        };
+        for ((table, occ), pinned) in self.tables.iter_mut().zip(lists).zip(pins) {
+            let table = table.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+            table.iter += 1;
+            if !occ.rows.is_empty() {
+                let step = StepArgs::new(&table.spec, table.iter);
+                let (rows, seg) = (be.upload(&occ.rows)?, be.upload(&occ.seg)?);
+                let (src, scale) = (be.upload(&occ.src)?, be.upload(&occ.scale)?);
+                let args = [
+                    Arg::Ptr(table.weights_addr_mut(be)),
+                    Arg::Ptr(be.addr_mut(&mut table.state, 0)),
+                    Arg::I32(table.spec.dim as i32),
+                    Arg::I32(table.spec.state_per_row as i32),
+                    Arg::Ptr(be.addr(&rows, 0)),
+                    Arg::Ptr(be.addr(&seg, 0)),
+                    Arg::Ptr(be.addr(&src, 0)),
+                    Arg::Ptr(be.addr(&scale, 0)),
+                    Arg::I64(occ.rows.len() as i64),
+                    Arg::Ptr(grad),
+                    Arg::Step(step),
+                ];
+                // SAFETY: the arguments match trainrec_update_*'s parameters in order and type;
+                // the rows are unique (one warp each, no two writing one row), inside the table
+                // (or its slots), and every occurrence's gradient lies in the `grad_len` floats
+                // at `grad`.
+                unsafe { be.launch(Kernel::Update, table.spec.precision, occ.rows.len(), &args)? };
+            }
+            if let (Some(cache), Some(pinned)) = (table.cache.as_mut(), pinned) {
+                cache.unpin(&pinned, true);
+            }
         }
         Ok(())
     }
@@ -331,10 +616,10 @@ impl CudaEbc {
     /// Sequence lookups of one table: row `ids[i]` at `[i * dim ..]` of the result (ids
     /// outside the table read row 0 unless the bounds check is `fatal`).
     pub fn lookup_rows(&self, name: &str, ids: &[i64]) -> Result<DeviceBuffer, CudaError> {
-        let t = self.table(name)?;
+        let mut t = lock(&self.tables[self.index(name)?]);
         if self.bounds == BoundsCheckMode::Fatal {
             if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= t.spec.rows) {
-                return Err(CudaError::Embedding(trainrec_embedding::EmbeddingError::IdOutOfRange {
+                return Err(CudaError::Embedding(EmbeddingError::IdOutOfRange {
                     table: name.to_string(),
                     feature: String::new(),
                     sample: ids.iter().position(|&x| x == id).unwrap_or(0),
@@ -344,66 +629,70 @@ impl CudaEbc {
             }
         }
         let be = &self.backend;
-        let out = be.zeros::<f32>(ids.len() * t.spec.dim)?;
+        let mut out = be.zeros::<f32>(ids.len() * t.spec.dim)?;
         if ids.is_empty() {
             return Ok(DeviceBuffer(out));
         }
-        let dev_ids = be.upload(ids)?;
+        let ids: Vec<i64> = match t.cache.is_some() {
+            false => ids.to_vec(),
+            true => {
+                let rows: Vec<u32> = ids.iter().map(|&id| clamp(id, t.spec.rows)).collect();
+                let pinned = t.pin(be, &rows)?;
+                let cache = t.cache.as_mut().expect("a cached table");
+                cache.unpin(&pinned, false);
+                rows.iter().map(|&r| i64::from(cache.slot(r).expect("rows pinned by this call"))).collect()
+            }
+        };
+        let dev_ids = be.upload(&ids)?;
         let args = [
             Arg::Ptr(t.weights_addr(be)),
-            Arg::I64(t.spec.rows as i64),
+            Arg::I64(t.kernel_rows()),
             Arg::I32(t.spec.dim as i32),
             Arg::Ptr(be.addr(&dev_ids, 0)),
             Arg::I64(ids.len() as i64),
-            Arg::Ptr(be.addr(&out, 0)),
+            Arg::Ptr(be.addr_mut(&mut out, 0)),
         ];
-        // SAFETY: the arguments match trainrec_gather_*'s; rows are clamped to the table and
-        // `out` holds ids.len() rows of dim.
+        // SAFETY: the arguments match trainrec_gather_*'s; rows are clamped to the table (or
+        // its slots) and `out` holds ids.len() rows of dim.
         unsafe { be.launch(Kernel::Gather, t.spec.precision, ids.len(), &args)? };
         Ok(DeviceBuffer(out))
     }
 
-    fn table(&self, name: &str) -> Result<&DeviceTable, CudaError> {
-        self.tables
+    fn index(&self, name: &str) -> Result<usize, CudaError> {
+        self.layout
+            .tables
             .iter()
-            .find(|t| t.spec.name == name)
+            .position(|t| t.name == name)
             .ok_or_else(|| CudaError::Unsupported(format!("no table \"{name}\" in this collection")))
     }
 
     /// Table `name`'s weights as fp32, `[rows, dim]` row-major (copied to the host).
     pub fn table_weights(&self, name: &str) -> Result<Vec<f32>, CudaError> {
-        let t = self.table(name)?;
-        let stored = match &t.weights {
-            Weights::F32(w) => StoredWeights::F32(self.backend.download(w)?),
-            Weights::Bits(w) => StoredWeights::Bits(self.backend.download(w)?),
-        };
-        Ok(host::from_stored(t.spec.precision, &stored))
+        let t = lock(&self.tables[self.index(name)?]);
+        let (w, _) = t.read_table(&self.backend)?;
+        Ok(host::from_stored(t.spec.precision, &w))
     }
 
     /// Table `name`'s optimizer state (copied to the host).
     pub fn optimizer_state(&self, name: &str) -> Result<Vec<f32>, CudaError> {
-        let t = self.table(name)?;
+        let t = lock(&self.tables[self.index(name)?]);
         if t.spec.state_per_row == 0 {
             return Ok(Vec::new());
         }
-        self.backend.download(&t.state)
+        Ok(t.read_table(&self.backend)?.1)
     }
 
     /// Updates applied so far to table `name`.
     pub fn step_count(&self, name: &str) -> Result<u64, CudaError> {
-        Ok(self.table(name)?.iter)
+        Ok(lock(&self.tables[self.index(name)?]).iter)
     }
 
     /// Replaces table `name`'s weights (fp32 values, rounded to nearest in its precision),
     /// optimizer state (empty: zero) and step count, e.g. from a checkpoint.
     pub fn load_table(&mut self, name: &str, weights: &[f32], state: &[f32], steps: u64) -> Result<(), CudaError> {
-        let i = self
-            .tables
-            .iter()
-            .position(|t| t.spec.name == name)
-            .ok_or_else(|| CudaError::Unsupported(format!("no table \"{name}\" in this collection")))?;
-        let spec = self.tables[i].spec.clone();
-        let (n, ns) = (spec.rows as usize * spec.dim, spec.rows as usize * spec.state_per_row);
+        let i = self.index(name)?;
+        let t = self.tables[i].get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (n, ns) = (t.spec.rows as usize * t.spec.dim, t.spec.rows as usize * t.spec.state_per_row);
         if weights.len() != n || !(state.is_empty() || state.len() == ns) {
             return Err(CudaError::Unsupported(format!(
                 "table \"{name}\": {} weights and {} state values given, expected {n} and {ns}",
@@ -411,22 +700,14 @@ impl CudaEbc {
                 state.len()
             )));
         }
-        let t = &mut self.tables[i];
-        match (&mut t.weights, host::to_stored(spec.precision, weights)) {
-            (Weights::F32(w), StoredWeights::F32(v)) => self.backend.write(&v, w)?,
-            (Weights::Bits(w), StoredWeights::Bits(v)) => self.backend.write(&v, w)?,
-            _ => unreachable!("a table's stored form follows its precision"),
-        }
-        if ns > 0 {
-            let zeros;
-            let state = if state.is_empty() {
-                zeros = vec![0f32; ns];
-                &zeros[..]
-            } else {
-                state
-            };
-            self.backend.write(state, &mut t.state)?;
-        }
+        let zeros;
+        let state = if state.is_empty() {
+            zeros = vec![0f32; ns];
+            &zeros[..]
+        } else {
+            state
+        };
+        write_table(t, &self.backend, weights, state)?;
         t.iter = steps;
         Ok(())
     }
@@ -434,13 +715,13 @@ impl CudaEbc {
     /// Copies every table, its optimizer state and step count back into `ebc` (the
     /// collection this one was made from, e.g. to checkpoint it).
     pub fn write_back(&self, ebc: &mut EmbeddingBagCollection) -> Result<(), CudaError> {
-        for t in &self.tables {
-            let name = &t.spec.name;
+        for spec in &self.layout.tables {
+            let name = &spec.name;
             ebc.set_table_weights(name, self.table_weights(name)?)?;
-            if t.spec.state_per_row > 0 {
+            if spec.state_per_row > 0 {
                 ebc.set_optimizer_state(name, self.optimizer_state(name)?)?;
             }
-            ebc.set_step_count(name, t.iter)?;
+            ebc.set_step_count(name, self.step_count(name)?)?;
         }
         Ok(())
     }
@@ -449,4 +730,26 @@ impl CudaEbc {
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.backend.synchronize()
     }
+}
+
+/// Writes a whole table (fp32 weights rounded to its precision, its state): into its buffers,
+/// or a cached table's backing file and resident slots.
+fn write_table(t: &mut DeviceTable, be: &Backend, weights: &[f32], state: &[f32]) -> Result<(), CudaError> {
+    let stored = host::to_stored(t.spec.precision, weights);
+    if t.cache.is_none() {
+        match (&mut t.weights, stored) {
+            (Weights::F32(w), StoredWeights::F32(v)) => be.write(&v, w)?,
+            (Weights::Bits(w), StoredWeights::Bits(v)) => be.write(&v, w)?,
+            _ => unreachable!("a table's stored form follows its precision"),
+        }
+        if t.spec.state_per_row > 0 {
+            be.write(state, &mut t.state)?;
+        }
+        return Ok(());
+    }
+    let (w_addr, s_addr) = (t.weights_addr_mut(be), be.addr_mut(&mut t.state, 0));
+    let mut store = DeviceSlots { be, weights: w_addr, state: s_addr, wbytes: t.wbytes(), spr: t.spec.state_per_row };
+    let cache = t.cache.as_mut().expect("a cached table");
+    cache.write_table(&mut store, &host::stored_bytes(&stored), state)?;
+    Ok(())
 }

@@ -30,6 +30,9 @@ pub struct TableSpec {
     /// `(seed, table)` of its stochastic rounding, when it rounds stochastically (see
     /// [`EmbeddingBagCollection::rounding_stream`]).
     pub rounding: Option<(u64, u64)>,
+    /// Its cache (`fused_uvm_caching`): that many rows in GPU memory in front of the whole
+    /// table in host memory.
+    pub cache: Option<trainrec_embedding::CacheConfig>,
 }
 
 /// One pooled output: the input feature it reads, its table and its first output column.
@@ -58,20 +61,13 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// The layout of a CPU collection. Cached (offloaded) tables and dimensions over
-    /// [`MAX_DIM`] have no CUDA kernel yet: an error naming the table.
+    /// The layout of a CPU collection. Dimensions over [`MAX_DIM`] are an error naming the
+    /// table.
     pub fn of(ebc: &EmbeddingBagCollection) -> Result<Self, CudaError> {
         let mut tables = Vec::new();
         let mut outputs = Vec::new();
         let mut column = 0;
         for (t, c) in ebc.table_configs().enumerate() {
-            if c.cache.is_some() {
-                return Err(CudaError::Unsupported(format!(
-                    "table \"{}\" is cached (fused_uvm_caching): the CUDA engine has no caching kernel yet; \
-                     use compute kernel fused",
-                    c.name
-                )));
-            }
             if c.dim > MAX_DIM {
                 return Err(CudaError::Unsupported(format!(
                     "table \"{}\" has dim {}: the CUDA kernels take at most {MAX_DIM} (shard it column-wise)",
@@ -93,6 +89,7 @@ impl Layout {
                 state_per_row: optimizer.state_per_row(c.dim),
                 optimizer,
                 rounding: ebc.rounding_stream(&c.name),
+                cache: c.cache.clone(),
             });
         }
         debug_assert_eq!(column, ebc.width());
@@ -142,6 +139,18 @@ impl Layout {
     /// weight (when the KJT is weighted) times `1 / L` for mean pooling. The sort is stable,
     /// so each row sums its gradients in the CPU engine's order.
     pub fn occurrences(&self, kjt: &KeyedJaggedTensor, keys: &[usize], t: usize) -> Occurrences {
+        self.occurrences_in(kjt, keys, t, |r| r)
+    }
+
+    /// [`Self::occurrences`] with each (clamped) row translated by `slot_of` (a cached table's
+    /// rows to their cache slots, as the CPU engine's cached tables list them).
+    pub fn occurrences_in(
+        &self,
+        kjt: &KeyedJaggedTensor,
+        keys: &[usize],
+        t: usize,
+        slot_of: impl Fn(u32) -> u32,
+    ) -> Occurrences {
         let table = &self.tables[t];
         let mean = table.pooling == PoolingMode::Mean;
         let mut list: Vec<(u32, u32, f32)> = Vec::new();
@@ -157,7 +166,7 @@ impl Layout {
                 for pos in s..e {
                     let w = f.weights.map_or(1.0, |w| w[pos]);
                     let id = f.values[pos];
-                    let row = if (id as u64) < table.rows { id as u32 } else { 0 };
+                    let row = slot_of(if (id as u64) < table.rows { id as u32 } else { 0 });
                     list.push((row, src, pool * w));
                 }
             }
@@ -322,6 +331,24 @@ pub fn from_stored(precision: WeightPrecision, stored: &StoredWeights) -> Vec<f3
             b.iter().map(|&x| half::bf16::from_bits(x).to_f32()).collect()
         }
         (_, StoredWeights::Bits(b)) => b.iter().map(|&x| half::f16::from_bits(x).to_f32()).collect(),
+    }
+}
+
+/// Stored weights as the bytes a cache's backing file holds (little-endian values).
+pub fn stored_bytes(stored: &StoredWeights) -> Vec<u8> {
+    match stored {
+        StoredWeights::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        StoredWeights::Bits(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// [`stored_bytes`] back to stored weights of `precision`.
+pub fn stored_from_bytes(precision: WeightPrecision, bytes: &[u8]) -> StoredWeights {
+    match precision {
+        WeightPrecision::Fp32 => {
+            StoredWeights::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        }
+        _ => StoredWeights::Bits(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
     }
 }
 

@@ -89,3 +89,90 @@ fn sequence_lookups_and_bounds_errors_match_the_cpu_collection() {
     let got = gpu.forward(&kjt).err().unwrap().to_string();
     assert_eq!(got, want);
 }
+
+/// The check's tables with every table cached in `slots` slots (`policy`), on the CPU
+/// collection's cached kernel (so both draw initial weights the same way).
+fn cached_collection(
+    case: &check::Case,
+    slots: u64,
+    policy: trainrec_embedding::CachePolicy,
+    dir: &std::path::Path,
+) -> trainrec_embedding::EmbeddingBagCollection {
+    use trainrec_embedding::{CacheConfig, EmbeddingBagCollection};
+    let plain = check::collection(case);
+    let tables = plain
+        .table_configs()
+        .map(|c| c.clone().with_cache(CacheConfig { slots: slots.min(c.rows), policy, dir: dir.to_path_buf() }))
+        .collect();
+    let mut ebc = EmbeddingBagCollection::new(tables, case.optimizer.clone(), 7).unwrap();
+    ebc.set_bounds_check(BoundsCheckMode::Ignore);
+    ebc
+}
+
+#[test]
+fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
+    use rand::SeedableRng;
+    use trainrec_embedding::CachePolicy;
+    let dir = std::env::temp_dir().join(format!("trainrec-cuda-cache-{}", std::process::id()));
+    let rowwise = SparseOptimizerConfig::RowwiseAdagrad {
+        lr: 0.2,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        weight_decay_mode: trainrec_embedding::WeightDecayMode::None,
+    };
+    for (precision, policy, optimizer) in [
+        (WeightPrecision::Fp32, CachePolicy::Lru, rowwise.clone()),
+        (WeightPrecision::Fp32, CachePolicy::Lfu, case(WeightPrecision::Fp32).optimizer),
+        (WeightPrecision::Fp16, CachePolicy::Lru, rowwise),
+    ] {
+        // Round to nearest: stochastic rounding draws per slot, so only that differs.
+        let case = check::Case { optimizer, precision, mean: true, weighted: true, stochastic: false };
+        let what = format!("{precision:?} {policy:?} {:?}", case.optimizer);
+        let mut plain = check::collection(&case);
+        // 26 slots: table b (30 rows, two features) evicts and writes back rows as batches
+        // move over it; a and c fit whole.
+        let mut gpu = CudaEbc::emulated(&cached_collection(&case, 26, policy, &dir)).unwrap();
+        gpu.set_bounds_check(BoundsCheckMode::Ignore);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for step in 0..6 {
+            let kjt = check::batch(&mut rng, true, step % check::STEPS);
+            let want = plain.forward(&kjt).unwrap();
+            let got = gpu.download(&gpu.forward(&kjt).unwrap()).unwrap();
+            assert_eq!(&got[..want.values().len()], want.values(), "{what}: forward of step {step}");
+            let grad = check::gradient(&mut rng, &kjt, plain.width());
+            plain.backward_and_update(&kjt, &grad).unwrap();
+            gpu.backward_and_update(&kjt, &gpu.upload(&grad).unwrap()).unwrap();
+            for t in ["a", "b", "c"] {
+                assert_eq!(
+                    gpu.table_weights(t).unwrap(),
+                    plain.table_weights(t).unwrap(),
+                    "{what}: {t} after step {step}"
+                );
+                assert_eq!(gpu.optimizer_state(t).unwrap(), plain.optimizer_state(t).unwrap(), "{what}: {t}");
+            }
+        }
+        let s = gpu.cache_stats("b").unwrap();
+        assert!(s.evictions > 0 && s.writebacks > 0 && s.misses > 0 && s.hits > 0, "{what}: {s:?}");
+        // A whole table written into the cached collection (checkpoint restore) reads back.
+        let w: Vec<f32> = (0..30 * 40).map(|i| (i % 7) as f32 * 0.25).collect();
+        let st = plain.optimizer_state("b").unwrap();
+        gpu.load_table("b", &w, &st, 9).unwrap();
+        assert_eq!(gpu.table_weights("b").unwrap(), w, "{what}");
+        assert_eq!(gpu.optimizer_state("b").unwrap(), st, "{what}");
+        let rows = gpu.download(&gpu.lookup_rows("b", &[29, 0, 29]).unwrap()).unwrap();
+        assert_eq!(rows[..40], w[29 * 40..30 * 40], "{what}");
+    }
+    // A batch with more distinct rows than the cache has slots: its lookup reads them without
+    // caching them (an eval batch); its update is an error naming the table.
+    let case = check::Case { stochastic: false, ..case(WeightPrecision::Fp32) };
+    let mut gpu = CudaEbc::emulated(&cached_collection(&case, 2, CachePolicy::Lru, &dir)).unwrap();
+    gpu.set_bounds_check(BoundsCheckMode::Ignore);
+    let kjt = check::batch(&mut rand::rngs::StdRng::seed_from_u64(2), false, 0);
+    let want = check::collection(&case).forward(&kjt).unwrap();
+    let got = gpu.download(&gpu.forward(&kjt).unwrap()).unwrap();
+    assert_eq!(&got[..want.values().len()], want.values());
+    let grad = gpu.upload(&vec![0.5; kjt.stride() * gpu.width()]).unwrap();
+    let e = gpu.backward_and_update(&kjt, &grad).unwrap_err().to_string();
+    assert!(e.contains("table \"") && e.contains("cache of 2 rows") && e.contains("load_factor"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -29,6 +29,7 @@ fn kernels_compile_to_ptx_for_hopper_and_ampere() {
                 assert!(ptx.contains(&entry), "{arch}: no {entry}");
             }
         }
+        assert!(ptx.contains(".entry trainrec_copy_rows("), "{arch}: no trainrec_copy_rows");
         // -fmad=false: no fused multiply-adds in the fp32 kernels (the CPU engine has none).
         assert!(!ptx.contains("fma.rn.f32"), "{arch}: the PTX contracts a * b + c");
     }

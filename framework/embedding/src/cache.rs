@@ -90,9 +90,50 @@ fn bytes_of_mut<T: Pod>(s: &mut [T]) -> &mut [u8] {
 
 const FREE: u32 = u32::MAX;
 
-/// One table's cache state (the slots' weights and state live in the table's group).
-pub(crate) struct RowCache {
-    pub slots: u32,
+/// Where a cache's slots live: the CPU engine's table-batched buffers, or a GPU's memory (the
+/// CUDA engine). A slot's record is its row's weights in the stored precision (`dim` values,
+/// as bytes) and its optimizer state (`state_per_row` floats), as the backing file holds them.
+/// The cache hands over every copy of a call at once (a GPU batches them).
+pub trait SlotStore {
+    /// Copies the records of `slots` out: slot `slots[i]`'s weights into `weights[i * wbytes..]`
+    /// and its state into `state[i * spr..]`.
+    fn read_slots(&mut self, slots: &[u32], weights: &mut [u8], state: &mut [f32]) -> Result<(), EmbeddingError>;
+    /// Writes records into `slots`, laid out as [`SlotStore::read_slots`] gives them.
+    fn write_slots(&mut self, slots: &[u32], weights: &[u8], state: &[f32]) -> Result<(), EmbeddingError>;
+}
+
+/// The slots of table `t` of a CPU group.
+pub(crate) struct TbeSlots<'a, T: Weight + Pod> {
+    pub tbe: &'a mut Tbe<T>,
+    pub t: usize,
+}
+
+impl<T: Weight + Pod> SlotStore for TbeSlots<'_, T> {
+    fn read_slots(&mut self, slots: &[u32], weights: &mut [u8], state: &mut [f32]) -> Result<(), EmbeddingError> {
+        let (wb, spr) = (self.tbe.slots[self.t].dim * size_of::<T>(), self.tbe.slots[self.t].spr);
+        for (i, &slot) in slots.iter().enumerate() {
+            let (w, s) = self.tbe.row(self.t, slot as usize);
+            weights[i * wb..][..wb].copy_from_slice(bytes_of(w));
+            state[i * spr..][..spr].copy_from_slice(s);
+        }
+        Ok(())
+    }
+
+    fn write_slots(&mut self, slots: &[u32], weights: &[u8], state: &[f32]) -> Result<(), EmbeddingError> {
+        let (wb, spr) = (self.tbe.slots[self.t].dim * size_of::<T>(), self.tbe.slots[self.t].spr);
+        for (i, &slot) in slots.iter().enumerate() {
+            let (w, s) = self.tbe.row_mut(self.t, slot as usize);
+            bytes_of_mut(w).copy_from_slice(&weights[i * wb..][..wb]);
+            s.copy_from_slice(&state[i * spr..][..spr]);
+        }
+        Ok(())
+    }
+}
+
+/// One table's cache state: which rows are in which slots, their pins and eviction order,
+/// and the backing file (the slots' weights and state live in a [`SlotStore`]).
+pub struct RowCache {
+    pub(crate) slots: u32,
     rows: u64,
     dim: usize,
     spr: usize,
@@ -110,6 +151,11 @@ pub(crate) struct RowCache {
     queue: BTreeSet<(u64, u32)>,
     free: Vec<u32>,
     call: u64,
+    /// Evicted dirty slots of the current call and the rows they held: written back first.
+    writebacks: Vec<(u32, u32)>,
+    /// Slots the current call fills and the rows they get.
+    loads: Vec<(u32, u32)>,
+    /// Counters since the cache was built.
     pub stats: CacheStats,
 }
 
@@ -160,6 +206,8 @@ impl RowCache {
             queue: BTreeSet::new(),
             free: (0..slots).rev().collect(),
             call: 0,
+            writebacks: Vec::new(),
+            loads: Vec::new(),
             stats: CacheStats::default(),
         };
         const CHUNK: u64 = 1 << 16;
@@ -180,9 +228,33 @@ impl RowCache {
         Ok(cache)
     }
 
+    /// A cache of `config.slots` rows of a `rows x dim` table of `precision` weights with
+    /// `spr` optimizer state values per row, its backing file holding `init(rows)` (fp32,
+    /// row-major) and zero state: the cache of another engine's slots (the CUDA engine's).
+    pub fn with_precision(
+        precision: crate::WeightPrecision,
+        name: &str,
+        config: &CacheConfig,
+        rows: u64,
+        dim: usize,
+        spr: usize,
+        init: impl Fn(std::ops::Range<u64>) -> Vec<f32>,
+    ) -> Result<Self, EmbeddingError> {
+        match precision {
+            crate::WeightPrecision::Fp32 => Self::new::<f32>(name, config, rows, dim, spr, init),
+            crate::WeightPrecision::Fp16 => Self::new::<half::f16>(name, config, rows, dim, spr, init),
+            crate::WeightPrecision::Bf16 => Self::new::<half::bf16>(name, config, rows, dim, spr, init),
+        }
+    }
+
+    /// Slots.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
     /// The slot holding `row`, if resident.
     #[inline]
-    pub(crate) fn slot(&self, row: u32) -> Option<u32> {
+    pub fn slot(&self, row: u32) -> Option<u32> {
         match self.slot_of.as_slice()[row as usize] {
             0 => None,
             s => Some(s - 1),
@@ -192,13 +264,20 @@ impl RowCache {
     /// Makes each row of `rows` resident and pins it once (a row listed twice counts once).
     /// Returns the slots pinned. When the cache cannot hold them all (every slot pinned),
     /// nothing stays pinned by this call and the error says how many rows were asked for.
-    pub(crate) fn pin<T: Weight + Pod>(
+    pub fn pin(
         &mut self,
         name: &str,
-        tbe: &mut Tbe<T>,
-        t: usize,
+        store: &mut dyn SlotStore,
         rows: impl Iterator<Item = u32>,
     ) -> Result<Vec<u32>, EmbeddingError> {
+        let r = self.assign(name, rows);
+        // Queued copies run even when the call failed: the bookkeeping already moved.
+        self.flush(store)?;
+        r
+    }
+
+    /// The bookkeeping of [`Self::pin`]: slots chosen, evictions and loads queued.
+    fn assign(&mut self, name: &str, rows: impl Iterator<Item = u32>) -> Result<Vec<u32>, EmbeddingError> {
         self.call += 1;
         let call = self.call;
         let rows: Vec<u32> = rows.collect();
@@ -215,7 +294,7 @@ impl RowCache {
                     s
                 }
                 None => {
-                    let Some(s) = self.take_slot(tbe, t) else {
+                    let Some(s) = self.take_slot() else {
                         let asked = pinned.len() + 1;
                         self.unpin(&pinned, false);
                         return Err(EmbeddingError::Config(format!(
@@ -225,7 +304,7 @@ impl RowCache {
                             self.slots
                         )));
                     };
-                    self.load(tbe, t, s, row);
+                    self.load(s, row);
                     self.stats.misses += 1;
                     s
                 }
@@ -248,7 +327,7 @@ impl RowCache {
     }
 
     /// Releases one pin of each slot; `updated` marks them dirty (written back on eviction).
-    pub(crate) fn unpin(&mut self, slots: &[u32], updated: bool) {
+    pub fn unpin(&mut self, slots: &[u32], updated: bool) {
         for &s in slots {
             let si = s as usize;
             debug_assert!(self.pins[si] > 0, "slot {s} unpinned more often than pinned");
@@ -261,15 +340,16 @@ impl RowCache {
     }
 
     /// A free slot, or the lowest-scored unpinned one evicted (written back when dirty).
-    fn take_slot<T: Weight + Pod>(&mut self, tbe: &Tbe<T>, t: usize) -> Option<u32> {
+    fn take_slot(&mut self) -> Option<u32> {
         if let Some(s) = self.free.pop() {
             return Some(s);
         }
         let (_, s) = self.queue.pop_first()?;
         let old = self.row_of[s as usize];
         if self.dirty[s as usize] {
-            self.store(tbe, t, s, old);
+            self.writebacks.push((s, old));
             self.stats.writebacks += 1;
+            self.stats.written_bytes += self.record() as u64;
         }
         self.slot_of.as_mut_slice()[old as usize] = 0;
         self.row_of[s as usize] = FREE;
@@ -323,24 +403,124 @@ impl RowCache {
         }
     }
 
-    /// Copies `row` from the file into `slot` (clean).
-    fn load<T: Weight + Pod>(&mut self, tbe: &mut Tbe<T>, t: usize, slot: u32, row: u32) {
-        let (w, s) = tbe.row_mut(t, slot as usize);
-        bytes_of_mut(w).copy_from_slice(&self.file[self.w_range(row)]);
-        bytes_of_mut(s).copy_from_slice(&self.file[self.s_range(row)]);
+    /// Queues `row`'s copy from the file into `slot` (clean).
+    fn load(&mut self, slot: u32, row: u32) {
+        self.loads.push((slot, row));
         self.slot_of.as_mut_slice()[row as usize] = slot + 1;
         self.row_of[slot as usize] = row;
         self.dirty[slot as usize] = false;
-        self.stats.loaded_bytes += (self.wbytes + self.spr * 4) as u64;
+        self.stats.loaded_bytes += self.record() as u64;
     }
 
-    /// Copies `slot` back into `row` of the file.
-    fn store<T: Weight + Pod>(&mut self, tbe: &Tbe<T>, t: usize, slot: u32, row: u32) {
-        let (w, s) = tbe.row(t, slot as usize);
-        let (wr, sr) = (self.w_range(row), self.s_range(row));
-        self.file[wr].copy_from_slice(bytes_of(w));
-        self.file[sr].copy_from_slice(bytes_of(s));
-        self.stats.written_bytes += (self.wbytes + self.spr * 4) as u64;
+    /// Runs the queued copies: evicted dirty slots into the file first (a row evicted and
+    /// reloaded by the same call reads what was written back), then the loads into their
+    /// slots.
+    fn flush(&mut self, store: &mut dyn SlotStore) -> Result<(), EmbeddingError> {
+        let (wb, spr) = (self.wbytes, self.spr);
+        let writebacks = std::mem::take(&mut self.writebacks);
+        if !writebacks.is_empty() {
+            let slots: Vec<u32> = writebacks.iter().map(|&(s, _)| s).collect();
+            let (mut w, mut st) = (vec![0u8; slots.len() * wb], vec![0f32; slots.len() * spr]);
+            store.read_slots(&slots, &mut w, &mut st)?;
+            for (i, &(_, row)) in writebacks.iter().enumerate() {
+                let (wr, sr) = (self.w_range(row), self.s_range(row));
+                self.file[wr].copy_from_slice(&w[i * wb..][..wb]);
+                self.file[sr].copy_from_slice(bytes_of(&st[i * spr..][..spr]));
+            }
+        }
+        let loads = std::mem::take(&mut self.loads);
+        if !loads.is_empty() {
+            let slots: Vec<u32> = loads.iter().map(|&(s, _)| s).collect();
+            let (mut w, mut st) = (vec![0u8; slots.len() * wb], vec![0f32; slots.len() * spr]);
+            for (i, &(_, row)) in loads.iter().enumerate() {
+                w[i * wb..][..wb].copy_from_slice(&self.file[self.w_range(row)]);
+                bytes_of_mut(&mut st[i * spr..][..spr]).copy_from_slice(&self.file[self.s_range(row)]);
+            }
+            store.write_slots(&slots, &w, &st)?;
+        }
+        Ok(())
+    }
+
+    /// The resident (slot, row) pairs.
+    fn resident(&self) -> Vec<(u32, u32)> {
+        self.row_of.iter().enumerate().filter(|(_, r)| **r != FREE).map(|(s, r)| (s as u32, *r)).collect()
+    }
+
+    /// The whole table as stored: every row's weights (bytes of the stored precision,
+    /// `[rows, dim]`) and optimizer state (`[rows, spr]`), resident rows read from `store`.
+    pub fn read_table(&self, store: &mut dyn SlotStore) -> Result<(Vec<u8>, Vec<f32>), EmbeddingError> {
+        let (wb, spr, rows) = (self.wbytes, self.spr, self.rows as usize);
+        let (mut w, mut st) = (vec![0u8; rows * wb], vec![0f32; rows * spr]);
+        for r in 0..rows {
+            w[r * wb..][..wb].copy_from_slice(&self.file[self.w_range(r as u32)]);
+            bytes_of_mut(&mut st[r * spr..][..spr]).copy_from_slice(&self.file[self.s_range(r as u32)]);
+        }
+        let resident = self.resident();
+        if !resident.is_empty() {
+            let slots: Vec<u32> = resident.iter().map(|&(s, _)| s).collect();
+            let (mut sw, mut ss) = (vec![0u8; slots.len() * wb], vec![0f32; slots.len() * spr]);
+            store.read_slots(&slots, &mut sw, &mut ss)?;
+            for (i, &(_, r)) in resident.iter().enumerate() {
+                w[r as usize * wb..][..wb].copy_from_slice(&sw[i * wb..][..wb]);
+                st[r as usize * spr..][..spr].copy_from_slice(&ss[i * spr..][..spr]);
+            }
+        }
+        Ok((w, st))
+    }
+
+    /// The weights of `rows` as stored (bytes, one row after another): resident rows read
+    /// from `store` in one call, the others from the file. Changes nothing (a lookup of a
+    /// batch with more distinct rows than the cache has slots).
+    pub fn read_rows(&self, store: &mut dyn SlotStore, rows: &[u32]) -> Result<Vec<u8>, EmbeddingError> {
+        let wb = self.wbytes;
+        self.read_ahead(rows);
+        let mut out = vec![0u8; rows.len() * wb];
+        let mut resident: Vec<(usize, u32)> = Vec::new();
+        for (i, &r) in rows.iter().enumerate() {
+            match self.slot(r) {
+                Some(s) => resident.push((i, s)),
+                None => out[i * wb..][..wb].copy_from_slice(&self.file[self.w_range(r)]),
+            }
+        }
+        if !resident.is_empty() {
+            let slots: Vec<u32> = resident.iter().map(|&(_, s)| s).collect();
+            let (mut w, mut st) = (vec![0u8; slots.len() * wb], vec![0f32; slots.len() * self.spr]);
+            store.read_slots(&slots, &mut w, &mut st)?;
+            for (j, &(i, _)) in resident.iter().enumerate() {
+                out[i * wb..][..wb].copy_from_slice(&w[j * wb..][..wb]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces the whole table (as [`Self::read_table`] gives it): the file, and the
+    /// resident rows' slots (which stay clean).
+    pub fn write_table(
+        &mut self,
+        store: &mut dyn SlotStore,
+        weights: &[u8],
+        state: &[f32],
+    ) -> Result<(), EmbeddingError> {
+        let (wb, spr) = (self.wbytes, self.spr);
+        for r in 0..self.rows as usize {
+            let (wr, sr) = (self.w_range(r as u32), self.s_range(r as u32));
+            self.file[wr].copy_from_slice(&weights[r * wb..][..wb]);
+            self.file[sr].copy_from_slice(bytes_of(&state[r * spr..][..spr]));
+        }
+        let resident = self.resident();
+        if !resident.is_empty() {
+            let slots: Vec<u32> = resident.iter().map(|&(s, _)| s).collect();
+            let (mut sw, mut ss) = (vec![0u8; slots.len() * wb], vec![0f32; slots.len() * spr]);
+            for (i, &(_, r)) in resident.iter().enumerate() {
+                sw[i * wb..][..wb].copy_from_slice(&weights[r as usize * wb..][..wb]);
+                ss[i * spr..][..spr].copy_from_slice(&state[r as usize * spr..][..spr]);
+            }
+            store.write_slots(&slots, &sw, &ss)?;
+            for &(s, _) in &resident {
+                self.dirty[s as usize] = false;
+            }
+        }
+        Ok(())
     }
 
     /// Row `row`'s weights as fp32 into `out` (`dim` floats), from its slot or the file.

@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::cache::RowCache;
+use crate::cache::{RowCache, TbeSlots};
 use crate::tbe::{Occ, Tbe, clamp_row};
 use crate::{BoundsCheckMode, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig, WeightPrecision};
 
@@ -363,7 +363,9 @@ impl Core {
         for (t, r) in rows {
             let info = &self.tables[t];
             let cache = self.caches[t].as_mut().expect("a cached table");
-            let got = dispatch!(&mut self.groups[info.group], g => cache.pin(&info.config.name, g, info.local, r.into_iter()));
+            let got = dispatch!(&mut self.groups[info.group], g => {
+                cache.pin(&info.config.name, &mut TbeSlots { tbe: g, t: info.local }, r.into_iter())
+            });
             match got {
                 Ok(slots) => pins.push((t, slots)),
                 Err(e) => {

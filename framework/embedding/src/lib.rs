@@ -24,7 +24,7 @@ mod tbe;
 #[cfg(test)]
 mod tests;
 
-pub use cache::{CacheConfig, CachePolicy, CacheStats};
+pub use cache::{CacheConfig, CachePolicy, CacheStats, RowCache, SlotStore};
 pub use collection::initial_weights;
 pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, WeightDecayMode,
@@ -87,4 +87,7 @@ pub enum EmbeddingError {
     /// Inputs whose shapes disagree.
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// A cache's slot storage failed (a GPU's memory copies).
+    #[error("embedding storage: {0}")]
+    Storage(String),
 }

@@ -131,14 +131,19 @@ impl SparseArch {
                 Some(local) => local,
                 None => return out,
             },
-            Self::Quantized(_) | Self::Cuda(_) => return out,
+            Self::Quantized(_) => return out,
+            Self::Cuda(gpu) => {
+                for t in &gpu.layout().tables {
+                    if let Some(s) = gpu.cache_stats(&t.name) {
+                        cache_values(&mut out, &t.name, &s);
+                    }
+                }
+                return out;
+            }
         };
         for t in ebc.table_configs() {
             if let Some(s) = ebc.cache_stats(&t.name) {
-                out.insert(format!("cache/{}/hit_rate", t.name), s.hit_rate());
-                out.insert(format!("cache/{}/misses", t.name), s.misses as f64);
-                out.insert(format!("cache/{}/evictions", t.name), s.evictions as f64);
-                out.insert(format!("cache/{}/loaded_mib", t.name), s.loaded_bytes as f64 / (1 << 20) as f64);
+                cache_values(&mut out, &t.name, &s);
             }
         }
         out
@@ -269,6 +274,14 @@ impl SparseArch {
             Self::Cuda(gpu) => Ok(gpu.table_weights(name).ok()),
         }
     }
+}
+
+/// A cached table's counters as metric values.
+fn cache_values(out: &mut BTreeMap<String, f64>, table: &str, s: &trainrec_embedding::CacheStats) {
+    out.insert(format!("cache/{table}/hit_rate"), s.hit_rate());
+    out.insert(format!("cache/{table}/misses"), s.misses as f64);
+    out.insert(format!("cache/{table}/evictions"), s.evictions as f64);
+    out.insert(format!("cache/{table}/loaded_mib"), s.loaded_bytes as f64 / (1 << 20) as f64);
 }
 
 /// A whole table as one rank's only shard of it.

@@ -92,3 +92,38 @@ fn a_cuda_recipe_on_the_emulator_trains_checkpoints_and_resumes_like_cpu() {
     assert_eq!(m, metrics(&cpu));
     std::fs::remove_dir_all(&base).unwrap();
 }
+
+#[test]
+fn cached_tables_on_the_emulated_gpu_train_like_the_cpu_cache() {
+    // Four tables behind caches of 30% of their rows (LRU and LFU): in GPU memory in front of
+    // host memory on CUDA, in memory in front of a file on CPU; eval batches of 4096 read more
+    // rows than a cache holds.
+    let base = std::env::temp_dir().join(format!("trainrec-cuda-emu-cached-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (gpu, cpu) = (base.join("cuda"), base.join("cpu"));
+    let recipe = || vec!["run".to_string(), "recipes/offload/quickstart_cached.toml".into()];
+    let mut a = settings(&gpu, "cuda", 20);
+    a.extend(["--set".into(), "data.eval_batch_size=4096".into()]);
+    run(&[recipe(), a].concat(), true);
+    let mut b = settings(&cpu, "cpu", 20);
+    b.extend(["--set".into(), "data.eval_batch_size=4096".into()]);
+    run(&[recipe(), b].concat(), false);
+    // Losses and eval metrics alike; the caches' counters differ (the GPU's lookups load their
+    // rows, the CPU's prefetch pipeline loads them ahead).
+    let without_cache = |out: &Path| -> Vec<serde_json::Value> {
+        metrics(out)
+            .iter()
+            .map(|l| {
+                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("cache/"));
+                v
+            })
+            .collect()
+    };
+    let m = metrics(&gpu);
+    assert!(m.iter().filter(|l| l.contains("\"eval\"")).count() == 2, "{m:?}");
+    let last_train: serde_json::Value = serde_json::from_str(m.iter().rfind(|l| l.contains("train")).unwrap()).unwrap();
+    assert!(last_train["metrics"]["cache/t_C1/evictions"].as_f64().unwrap() > 0.0, "{last_train}");
+    assert_eq!(without_cache(&gpu), without_cache(&cpu));
+    std::fs::remove_dir_all(&base).unwrap();
+}

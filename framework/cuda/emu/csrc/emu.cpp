@@ -62,3 +62,8 @@ static void launch(unsigned grid, F kernel) {
 EMU_ENTRY_POINTS(f32, float)
 EMU_ENTRY_POINTS(f16, F16)
 EMU_ENTRY_POINTS(bf16, BF16)
+
+extern "C" void emu_copy_rows(unsigned grid, const unsigned char* src, i64 src_stride, const i64* src_rows,
+                              unsigned char* dst, i64 dst_stride, const i64* dst_rows, i64 n, i64 bytes) {
+    launch(grid, [=] { trainrec_copy_rows(src, src_stride, src_rows, dst, dst_stride, dst_rows, n, bytes); });
+}

@@ -31,6 +31,30 @@ macro_rules! entry_points {
     };
 }
 
+unsafe extern "C" {
+    fn emu_copy_rows(g: u32, src: u64, ss: i64, src_rows: u64, dst: u64, ds: i64, dst_rows: u64, n: i64, bytes: i64);
+}
+
+/// `trainrec_copy_rows` with addresses (a null row list: records in order).
+///
+/// # Safety
+/// Every record read and written must lie in live host buffers.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn raw_copy_rows(
+    grid: u32,
+    src: u64,
+    src_stride: i64,
+    src_rows: u64,
+    dst: u64,
+    dst_stride: i64,
+    dst_rows: u64,
+    n: i64,
+    bytes: i64,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { emu_copy_rows(grid, src, src_stride, src_rows, dst, dst_stride, dst_rows, n, bytes) }
+}
+
 entry_points! {
     emu_pool_f32, emu_gather_f32, emu_update_f32;
     emu_pool_f16, emu_gather_f16, emu_update_f16;
