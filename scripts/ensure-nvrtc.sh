@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Provisions NVRTC (CUDA 13.0's run-time compiler, from PyPI's nvidia-cuda-nvrtc wheel, a 90 MB
-# download, 110 MB installed) into the git-ignored folder .cuda/ when it is missing. NVRTC needs no GPU: the tests
-# compile the CUDA kernels to PTX with it on any machine. Idempotent (marker file).
+# Provisions NVRTC (CUDA 13.0's run-time compiler, from PyPI's nvidia-cuda-nvrtc wheel: a 90 MB
+# download, 110 MB installed) into the git-ignored folder .cuda/ when it is missing. NVRTC needs
+# no GPU: the tests compile the CUDA kernels to PTX with it on any machine. Idempotent (marker
+# file).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dest="$root/.cuda"
