@@ -278,6 +278,17 @@ pub struct CudaEbc {
     /// Locked one at a time (lookups move a cached table's rows).
     tables: Vec<Mutex<DeviceTable>>,
     bounds: BoundsCheckMode,
+    /// Prefetched batches not trained yet, oldest first: what identifies each, and the slots
+    /// it pinned per cached table.
+    pending: Vec<(u64, Vec<Option<Vec<u32>>>)>,
+}
+
+/// Identifies a batch by the rows it reads from cached tables.
+fn fingerprint(rows: &[Option<Vec<u32>>]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    rows.hash(&mut h);
+    h.finish()
 }
 
 fn lock(t: &Mutex<DeviceTable>) -> MutexGuard<'_, DeviceTable> {
@@ -363,7 +374,7 @@ impl CudaEbc {
             };
             tables.push(Mutex::new(table));
         }
-        Ok(Self { layout, info, backend, tables, bounds: BoundsCheckMode::Fatal })
+        Ok(Self { layout, info, backend, tables, bounds: BoundsCheckMode::Fatal, pending: Vec::new() })
     }
 
     /// The GPU.
@@ -543,25 +554,16 @@ impl CudaEbc {
                 u32::MAX
             )));
         }
+        // Cached tables: the batch's rows resident and pinned until their update is done (by
+        // its prefetch, or now).
+        let rows = self.cached_rows(kjt, &keys);
+        let f = fingerprint(&rows);
+        let pins = match self.pending.iter().position(|p| p.0 == f) {
+            Some(i) => self.pending.remove(i).1,
+            None => self.pin_rows(rows)?,
+        };
         let be = &self.backend;
         let layout = &self.layout;
-        // Cached tables: the batch's rows resident and pinned until their update is done.
-        let mut pins: Vec<Option<Vec<u32>>> = Vec::with_capacity(self.tables.len());
-        for (t, table) in self.tables.iter_mut().enumerate() {
-            let table = table.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if table.cache.is_none() {
-                pins.push(None);
-                continue;
-            }
-            let rows: Vec<u32> = layout
-                .outputs
-                .iter()
-                .zip(&keys)
-                .filter(|(o, _)| o.table == t)
-                .flat_map(|(_, &k)| kjt.feature(k).values.iter().map(|&id| clamp(id, table.spec.rows)))
-                .collect();
-            pins.push(Some(table.pin(be, &rows)?));
-        }
         // The host's part: every table's occurrences sorted into unique rows (cached tables'
         // by slot), in parallel.
         let lists: Vec<host::Occurrences> = {
@@ -611,6 +613,85 @@ impl CudaEbc {
             }
         }
         Ok(())
+    }
+
+    /// Per table, the rows a cached table's outputs read in `kjt` (`None` for tables in GPU
+    /// memory whole).
+    fn cached_rows(&self, kjt: &KeyedJaggedTensor, keys: &[usize]) -> Vec<Option<Vec<u32>>> {
+        self.tables
+            .iter()
+            .enumerate()
+            .map(|(t, table)| {
+                let table = lock(table);
+                table.cache.as_ref()?;
+                let rows = table.spec.rows;
+                Some(
+                    self.layout
+                        .outputs
+                        .iter()
+                        .zip(keys)
+                        .filter(|(o, _)| o.table == t)
+                        .flat_map(|(_, &k)| kjt.feature(k).values.iter().map(move |&id| clamp(id, rows)))
+                        .collect(),
+                )
+            })
+            .collect()
+    }
+
+    /// Pins each cached table's `rows`; on failure nothing stays pinned.
+    fn pin_rows(&mut self, rows: Vec<Option<Vec<u32>>>) -> Result<Vec<Option<Vec<u32>>>, CudaError> {
+        let mut pins: Vec<Option<Vec<u32>>> = Vec::with_capacity(rows.len());
+        for (t, r) in rows.into_iter().enumerate() {
+            let table = self.tables[t].get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let got = match r {
+                None => Ok(None),
+                Some(r) => table.pin(&self.backend, &r).map(Some),
+            };
+            match got {
+                Ok(p) => pins.push(p),
+                Err(e) => {
+                    self.unpin_all(&pins, false);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(pins)
+    }
+
+    fn unpin_all(&mut self, pins: &[Option<Vec<u32>>], updated: bool) {
+        for (t, slots) in pins.iter().enumerate() {
+            if let Some(slots) = slots {
+                let table = self.tables[t].get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+                table.cache.as_mut().expect("a cached table").unpin(slots, updated);
+            }
+        }
+    }
+
+    /// Loads the rows `kjt` reads into the caches of cached tables and pins them until the
+    /// batch's update (its next [`Self::backward_and_update`]) or
+    /// [`Self::discard_prefetched`]: the prefetch pipeline's stage.
+    pub fn prefetch(&mut self, kjt: &KeyedJaggedTensor) -> Result<(), CudaError> {
+        let keys = self.layout.resolve(kjt)?;
+        let rows = self.cached_rows(kjt, &keys);
+        if rows.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let f = fingerprint(&rows);
+        let pins = self.pin_rows(rows)?;
+        self.pending.push((f, pins));
+        Ok(())
+    }
+
+    /// Unpins every prefetched batch not trained yet.
+    pub fn discard_prefetched(&mut self) {
+        for (_, pins) in std::mem::take(&mut self.pending) {
+            self.unpin_all(&pins, false);
+        }
+    }
+
+    /// Prefetched batches waiting for their update.
+    pub fn prefetched(&self) -> usize {
+        self.pending.len()
     }
 
     /// Sequence lookups of one table: row `ids[i]` at `[i * dim ..]` of the result (ids

@@ -162,6 +162,31 @@ fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
         let rows = gpu.download(&gpu.lookup_rows("b", &[29, 0, 29]).unwrap()).unwrap();
         assert_eq!(rows[..40], w[29 * 40..30 * 40], "{what}");
     }
+    // The prefetch pipeline's stage: batch i+1's rows pinned ahead, its update uses those pins.
+    let case2 = check::Case { stochastic: false, ..case(WeightPrecision::Fp32) };
+    let mut plain = check::collection(&case2);
+    let mut gpu = CudaEbc::emulated(&cached_collection(&case2, 26, CachePolicy::Lfu, &dir)).unwrap();
+    gpu.set_bounds_check(BoundsCheckMode::Ignore);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let batches: Vec<_> = (0..3).map(|s| check::batch(&mut rng, true, s)).collect();
+    gpu.prefetch(&batches[0]).unwrap();
+    for (i, kjt) in batches.iter().enumerate() {
+        assert_eq!(gpu.prefetched(), 1);
+        let grad = check::gradient(&mut rng, kjt, plain.width());
+        let got = gpu.download(&gpu.forward(kjt).unwrap()).unwrap();
+        assert_eq!(&got[..], plain.forward(kjt).unwrap().values(), "batch {i}");
+        if let Some(next) = batches.get(i + 1) {
+            gpu.prefetch(next).unwrap();
+        }
+        plain.backward_and_update(kjt, &grad).unwrap();
+        gpu.backward_and_update(kjt, &gpu.upload(&grad).unwrap()).unwrap();
+        assert_eq!(gpu.table_weights("b").unwrap(), plain.table_weights("b").unwrap(), "batch {i}");
+    }
+    assert_eq!(gpu.prefetched(), 0);
+    gpu.prefetch(&batches[0]).unwrap();
+    gpu.discard_prefetched();
+    assert_eq!(gpu.prefetched(), 0);
+
     // A batch with more distinct rows than the cache has slots: its lookup reads them without
     // caching them (an eval batch); its update is an error naming the table.
     let case = check::Case { stochastic: false, ..case(WeightPrecision::Fp32) };

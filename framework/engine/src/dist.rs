@@ -117,7 +117,8 @@ impl SparseArch {
         match self {
             Self::Local(ebc) => ebc.discard_prefetched(),
             Self::Sharded(s) => s.discard_prefetched(),
-            Self::Quantized(_) | Self::Cuda(_) => {}
+            Self::Cuda(gpu) => gpu.discard_prefetched(),
+            Self::Quantized(_) => {}
         }
     }
 

@@ -499,6 +499,7 @@ impl Job {
         let prefetch = self.recipe.pipeline.kind == trainrec_recipe::PipelineKind::PrefetchSparseDist;
         let stage = match (ahead, &mut self.sparse) {
             (Some(next), SparseArch::Local(ebc)) if prefetch => Some(Stage::Prefetch(next, ebc.as_mut())),
+            (Some(next), SparseArch::Cuda(gpu)) if prefetch => Some(Stage::PrefetchCuda(next, gpu.as_mut())),
             (Some(next), SparseArch::Sharded(s)) => Some(Stage::InputDist(next, s.as_mut(), prefetch)),
             _ => None,
         };
@@ -544,6 +545,8 @@ impl Job {
 enum Stage<'a> {
     /// One rank: load the batch's rows into the caches of cached tables.
     Prefetch(&'a Batch, &'a mut EmbeddingBagCollection),
+    /// One GPU: the batch's rows into the GPU caches of cached tables.
+    PrefetchCuda(&'a Batch, &'a mut trainrec_cuda::CudaEbc),
     /// Sharded: the batch's input dist, then (with `true`) its rows into the shards' caches.
     InputDist(&'a Batch, &'a mut trainrec_dist::ShardedEbc, bool),
 }
@@ -551,6 +554,12 @@ enum Stage<'a> {
 impl Stage<'_> {
     fn run(self) -> Result<Option<trainrec_dist::InputDist>, EngineError> {
         match self {
+            Self::PrefetchCuda(next, gpu) => {
+                let _span = tracing::debug_span!("prefetch").entered();
+                let kjt = crate::dist::full_batch(&next.sparse)?;
+                gpu.prefetch(&kjt)?;
+                Ok(None)
+            }
             Self::Prefetch(next, ebc) => {
                 let _span = tracing::debug_span!("prefetch").entered();
                 let kjt = crate::dist::full_batch(&next.sparse)?;
