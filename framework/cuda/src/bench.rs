@@ -4,35 +4,19 @@
 
 use std::time::Instant;
 
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-use rand_distr::{Distribution, StandardNormal};
 use serde_json::{Value, json};
-use trainrec_embedding::bench::{EbcBench, make_batches, results};
-use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode};
+use trainrec_embedding::bench::{EbcBench, collection, inputs, results};
 
 use crate::{CudaEbc, CudaError};
 
 /// Runs the benchmark on GPU `device`. A step is timed from the host's view: the batch's ids
 /// uploaded, the forward, the host's occurrence sort, the update, and a synchronize.
 pub fn run(a: &EbcBench, device: usize) -> Result<Value, CudaError> {
-    if a.tables == 0 || a.rows == 0 || a.dim == 0 || a.batch == 0 || a.steps == 0 || a.num_batches == 0 {
-        return Err(CudaError::Unsupported("tables, rows, dim, batch, steps and num-batches must be > 0".into()));
-    }
+    trainrec_embedding::bench::check(a)?;
     crate::probe(device)?;
-    let mut rng = StdRng::seed_from_u64(a.seed);
-    let (batches, uniq) = make_batches(a, &mut rng);
-    let width = a.tables * a.dim;
-    let grad: Vec<f32> = (0..a.batch * width).map(|_| StandardNormal.sample(&mut rng)).collect();
-    tracing::info!("building {} tables of {} x {}", a.tables, a.rows, a.dim);
+    let (batches, uniq, grad) = inputs(a);
     let t0 = Instant::now();
-    let configs = (0..a.tables)
-        .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::Sum, &[&format!("f{t}")]))
-        .collect();
-    let mut gpu = {
-        let cpu = EmbeddingBagCollection::new(configs, a.optimizer.clone(), a.seed)?;
-        CudaEbc::from_cpu(&cpu, device)?
-    };
+    let mut gpu = CudaEbc::from_cpu(&collection(a)?, device)?;
     let build_s = t0.elapsed().as_secs_f64();
     let dev_grad = gpu.upload(&grad)?;
     let mut it = 0usize;

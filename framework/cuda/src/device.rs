@@ -73,6 +73,14 @@ struct DeviceTable {
 }
 
 impl Weights {
+    /// Stored weights in the backend's memory.
+    fn upload(be: &Backend, stored: StoredWeights) -> Result<Self, CudaError> {
+        Ok(match stored {
+            StoredWeights::F32(v) => Self::F32(be.upload(&v)?),
+            StoredWeights::Bits(v) => Self::Bits(be.upload(&v)?),
+        })
+    }
+
     fn addr(&self, be: &Backend) -> u64 {
         match self {
             Self::F32(w) => be.addr(w, 0),
@@ -104,12 +112,24 @@ impl DeviceTable {
         self.spec.dim * if self.spec.precision == WeightPrecision::Fp32 { 4 } else { 2 }
     }
 
+    /// Its slots as a cache's store that only reads them.
+    fn slot_reader<'a>(&self, be: &'a Backend) -> DeviceSlots<'a> {
+        let (weights, state) = (self.weights_addr(be), be.addr(&self.state, 0));
+        DeviceSlots { be, weights, state, wbytes: self.wbytes(), spr: self.spec.state_per_row }
+    }
+
+    /// Its slots as a cache's store, and the cache.
+    fn slot_writer<'a>(&mut self, be: &'a Backend) -> (DeviceSlots<'a>, &mut RowCache) {
+        let (weights, state) = (self.weights_addr_mut(be), be.addr_mut(&mut self.state, 0));
+        let store = DeviceSlots { be, weights, state, wbytes: self.wbytes(), spr: self.spec.state_per_row };
+        (store, self.cache.as_mut().expect("a cached table"))
+    }
+
     /// Makes `rows` resident in the cache and pins them (see [`RowCache::pin`]): the slots.
     fn pin(&mut self, be: &Backend, rows: &[u32]) -> Result<Vec<u32>, CudaError> {
-        let (weights, state) = (self.weights_addr_mut(be), be.addr_mut(&mut self.state, 0));
-        let mut store = DeviceSlots { be, weights, state, wbytes: self.wbytes(), spr: self.spec.state_per_row };
-        let cache = self.cache.as_mut().expect("a cached table");
-        Ok(cache.pin(&self.spec.name, &mut store, rows.iter().copied())?)
+        let name = self.spec.name.clone();
+        let (mut store, cache) = self.slot_writer(be);
+        Ok(cache.pin(&name, &mut store, rows.iter().copied())?)
     }
 
     /// A cached table's rows `rows` read without changing the cache: each id's position in a
@@ -126,19 +146,9 @@ impl DeviceTable {
                 })
             })
             .collect();
-        let mut store = DeviceSlots {
-            be,
-            weights: self.weights_addr(be),
-            state: be.addr(&self.state, 0),
-            wbytes: self.wbytes(),
-            spr: self.spec.state_per_row,
-        };
         let cache = self.cache.as_ref().expect("a cached table");
-        let bytes = cache.read_rows(&mut store, &distinct)?;
-        let table = match host::stored_from_bytes(self.spec.precision, &bytes) {
-            StoredWeights::F32(v) => Weights::F32(be.upload(&v)?),
-            StoredWeights::Bits(v) => Weights::Bits(be.upload(&v)?),
-        };
+        let bytes = cache.read_rows(&mut self.slot_reader(be), &distinct)?;
+        let table = Weights::upload(be, host::stored_from_bytes(self.spec.precision, &bytes))?;
         Ok((ids, (table, distinct.len() as i64)))
     }
 
@@ -154,15 +164,7 @@ impl DeviceTable {
                 Ok((w, s))
             }
             Some(cache) => {
-                let mut store = DeviceSlots {
-                    be,
-                    weights: self.weights_addr(be),
-                    state: be.addr(&self.state, 0),
-                    wbytes: self.wbytes(),
-                    spr: self.spec.state_per_row,
-                };
-                // Reads only: the store's write path is not used.
-                let (w, s) = cache.read_table(&mut store)?;
+                let (w, s) = cache.read_table(&mut self.slot_reader(be))?;
                 Ok((host::stored_from_bytes(self.spec.precision, &w), s))
             }
         }
@@ -335,10 +337,7 @@ impl CudaEbc {
             let half = spec.precision != WeightPrecision::Fp32;
             let table = match &spec.cache {
                 None => {
-                    let weights = match host::to_stored(spec.precision, &w) {
-                        StoredWeights::F32(v) => Weights::F32(backend.upload(&v)?),
-                        StoredWeights::Bits(v) => Weights::Bits(backend.upload(&v)?),
-                    };
+                    let weights = Weights::upload(&backend, host::to_stored(spec.precision, &w))?;
                     let state = if s.is_empty() { backend.zeros::<f32>(1)? } else { backend.upload(&s)? };
                     DeviceTable { spec: spec.clone(), weights, state, iter, cache: None }
                 }
@@ -828,9 +827,7 @@ fn write_table(t: &mut DeviceTable, be: &Backend, weights: &[f32], state: &[f32]
         }
         return Ok(());
     }
-    let (w_addr, s_addr) = (t.weights_addr_mut(be), be.addr_mut(&mut t.state, 0));
-    let mut store = DeviceSlots { be, weights: w_addr, state: s_addr, wbytes: t.wbytes(), spr: t.spec.state_per_row };
-    let cache = t.cache.as_mut().expect("a cached table");
+    let (mut store, cache) = t.slot_writer(be);
     cache.write_table(&mut store, &host::stored_bytes(&stored), state)?;
     Ok(())
 }

@@ -171,6 +171,33 @@ pub fn make_batches(a: &EbcBench, rng: &mut StdRng) -> (Vec<KeyedJaggedTensor>, 
     (batches, uniq / (a.num_batches * a.tables) as f64)
 }
 
+/// The parameters' sizes and counts are all positive.
+pub fn check(a: &EbcBench) -> Result<(), EmbeddingError> {
+    if a.tables == 0 || a.rows == 0 || a.dim == 0 || a.batch == 0 || a.steps == 0 || a.num_batches == 0 {
+        return Err(EmbeddingError::Config("tables, rows, dim, batch, steps and num-batches must be > 0".into()));
+    }
+    Ok(())
+}
+
+/// The benchmark's batches (seeded), their mean unique rows per table, and the fixed
+/// upstream gradient of every step.
+pub fn inputs(a: &EbcBench) -> (Vec<KeyedJaggedTensor>, f64, Vec<f32>) {
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    tracing::info!("generating {} batches", a.num_batches);
+    let (batches, uniq) = make_batches(a, &mut rng);
+    let grad: Vec<f32> = (0..a.batch * a.tables * a.dim).map(|_| StandardNormal.sample(&mut rng)).collect();
+    (batches, uniq, grad)
+}
+
+/// The benchmark's tables: `t0..` of `rows x dim`, each sum-pooling feature `f<t>`.
+pub fn collection(a: &EbcBench) -> Result<EmbeddingBagCollection, EmbeddingError> {
+    tracing::info!("building {} tables of {} x {}", a.tables, a.rows, a.dim);
+    let configs = (0..a.tables)
+        .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::Sum, &[&format!("f{t}")]))
+        .collect();
+    EmbeddingBagCollection::new(configs, a.optimizer.clone(), a.seed)
+}
+
 /// A step's lookups, unique rows, and the least bytes its forward and its backward + update
 /// move (fp32 weights; `uniq`: mean unique rows per table): the forward reads each looked-up
 /// row, its id, and writes the output; the update reads the gradient and each id again, and
@@ -187,26 +214,16 @@ pub fn min_bytes(a: &EbcBench, uniq: f64) -> (f64, f64, f64, f64) {
 
 /// Runs the benchmark; the result is the JSON object `trainrec bench ebc` prints.
 pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
-    if a.tables == 0 || a.rows == 0 || a.dim == 0 || a.batch == 0 || a.steps == 0 || a.num_batches == 0 {
-        return Err(EmbeddingError::Config("tables, rows, dim, batch, steps and num-batches must be > 0".into()));
-    }
+    check(a)?;
     let threads = if a.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.threads };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .map_err(|e| EmbeddingError::Config(format!("cannot start {threads} threads: {e}")))?;
     pool.install(|| {
-        let mut rng = StdRng::seed_from_u64(a.seed);
-        tracing::info!("generating {} batches", a.num_batches);
-        let (batches, uniq) = make_batches(a, &mut rng);
-        let width = a.tables * a.dim;
-        let grad: Vec<f32> = (0..a.batch * width).map(|_| StandardNormal.sample(&mut rng)).collect();
-        tracing::info!("building {} tables of {} x {}", a.tables, a.rows, a.dim);
+        let (batches, uniq, grad) = inputs(a);
         let t0 = Instant::now();
-        let configs = (0..a.tables)
-            .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::Sum, &[&format!("f{t}")]))
-            .collect();
-        let mut ebc = EmbeddingBagCollection::new(configs, a.optimizer.clone(), a.seed)?;
+        let mut ebc = collection(a)?;
         let build_s = t0.elapsed().as_secs_f64();
         let mut it = 0usize;
         let mut step = |ebc: &mut EmbeddingBagCollection| -> Result<(), EmbeddingError> {
