@@ -139,8 +139,8 @@ impl TwoTower {
         Self {
             query: mlp(&(vs / "query_tower"), q.len(), &config.query_tower, true),
             candidate: mlp(&(vs / "candidate_tower"), c.len(), &config.candidate_tower, true),
-            query_cols: Tensor::from_slice(&q),
-            candidate_cols: Tensor::from_slice(&c),
+            query_cols: Tensor::from_slice(&q).to_device(vs.device()),
+            candidate_cols: Tensor::from_slice(&c).to_device(vs.device()),
             candidate_inputs: config.candidate_features.iter().map(|f| FeatureRef::parse(f).input.to_owned()).collect(),
             candidate_features: config.candidate_features.clone(),
             temperature: config.temperature,
@@ -188,11 +188,14 @@ impl DenseModel for TwoTower {
     fn loss(&mut self, input: &LossInput<'_>) -> Option<Tensor> {
         // The positives: label (first task) above one half.
         let positive: Vec<i64> = {
-            let l: Vec<f32> = Vec::try_from(input.labels.select(1, 0).contiguous()).unwrap_or_default();
+            let l: Vec<f32> =
+                Vec::try_from(input.labels.select(1, 0).to_device(tch::Device::Cpu).contiguous()).unwrap_or_default();
             l.iter().enumerate().filter(|(_, y)| **y > 0.5).map(|(i, _)| i as i64).collect()
         };
         let hashes_all = self.candidate_hashes(input.ids);
-        let rows = Tensor::from_slice(&positive);
+        // Index tensors live where the batch does (a GPU job's tensors are on the GPU).
+        let device = input.sparse.device();
+        let rows = Tensor::from_slice(&positive).to_device(device);
         let sparse = input.sparse.index_select(0, &rows);
         let q = self.query_embeddings(input.dense, &sparse);
         let c = self.candidate_embeddings(&sparse);
@@ -206,7 +209,7 @@ impl DenseModel for TwoTower {
         let mut logits = match &mut self.logq {
             Some(est) => {
                 let log_p: Vec<f32> = est.update(&hashes).iter().map(|&x| x.ln() as f32).collect();
-                scores - Tensor::from_slice(&log_p).view([1, p])
+                scores - Tensor::from_slice(&log_p).view([1, p]).to_device(device)
             }
             None => scores,
         };
@@ -223,10 +226,10 @@ impl DenseModel for TwoTower {
             }
         }
         if any {
-            let mask = Tensor::from_slice(&mask).view([p, p]);
+            let mask = Tensor::from_slice(&mask).view([p, p]).to_device(device);
             logits = logits.masked_fill(&mask, f64::NEG_INFINITY);
         }
-        let target = Tensor::arange(p, (Kind::Int64, tch::Device::Cpu));
+        let target = Tensor::arange(p, (Kind::Int64, device));
         Some(logits.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Mean, -100, 0.0))
     }
 
