@@ -3,10 +3,12 @@
 //! ([`trainrec_cuda::CudaEbc`]), the pooled embeddings and their gradient shared with libtorch
 //! as device memory (no copy). One rank for now.
 //!
-//! trainrec links libtorch's CPU libraries (the `.libtorch/` install has no CUDA half), so a
-//! CUDA job opens `libtorch_cuda.so` from the library path first (a CUDA build of torch 2.11,
-//! e.g. a PyPI wheel's `torch/lib` on `LD_LIBRARY_PATH`); that registers libtorch's CUDA
-//! backend. Everything missing (driver, GPU, NVRTC, libtorch's CUDA half) is a recipe error at
+//! trainrec links libtorch's CPU libraries (the `.libtorch/` install has no CUDA half), so the
+//! `trainrec` binary opens `libtorch_cuda.so` from the library path when it starts
+//! ([`preload_torch_cuda`]; a CUDA build of torch 2.11, e.g. a PyPI wheel's `torch/lib` on
+//! `LD_LIBRARY_PATH`), which registers libtorch's CUDA backend. It must come before anything
+//! asks libtorch about CUDA (seeding does): libtorch looks its CUDA backend up once and keeps
+//! the answer. Everything missing (driver, GPU, NVRTC, libtorch's CUDA half) is a recipe error at
 //! `topology.compute_device` saying what and how to fix it.
 
 use tch::Device;
@@ -95,30 +97,44 @@ pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> R
     Ok(Target::Gpu(0))
 }
 
-/// Opens libtorch's CUDA half unless libtorch already sees a GPU.
+/// What [`preload_torch_cuda`] found (`Err`: why libtorch_cuda.so could not be opened).
+static TORCH_CUDA: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+
+/// Opens libtorch's CUDA half from the library path, if it is there (once; a no-op after).
+/// Call it first thing in a process that may train on CUDA, before libtorch is asked about
+/// CUDA (libtorch caches its first answer). Returns whether it is loaded.
+pub fn preload_torch_cuda() -> bool {
+    TORCH_CUDA
+        .get_or_init(|| {
+            // SAFETY: libtorch_cuda's initialisers register its CUDA backend with the libtorch
+            // already loaded (same version: the library path's torch 2.11).
+            let lib = unsafe {
+                libloading::os::unix::Library::open(
+                    Some("libtorch_cuda.so"),
+                    libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+                )
+            }
+            .map_err(|e| e.to_string())?;
+            // Stays loaded for the process.
+            std::mem::forget(lib);
+            Ok(())
+        })
+        .is_ok()
+}
+
+/// Whether libtorch has a CUDA backend with a GPU (after [`preload_torch_cuda`]).
 fn load_torch_cuda() -> Result<(), String> {
+    let loaded = preload_torch_cuda();
     if tch::Cuda::is_available() {
         return Ok(());
     }
-    // SAFETY: libtorch_cuda's initialisers register its CUDA backend with the libtorch
-    // already loaded (same version: the library path's torch 2.11).
-    let lib = unsafe {
-        libloading::os::unix::Library::open(
-            Some("libtorch_cuda.so"),
-            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
-        )
-    }
-    .map_err(|e| {
-        format!(
+    match TORCH_CUDA.get() {
+        Some(Err(e)) if !loaded => Err(format!(
             "libtorch has no CUDA backend here: the libtorch trainrec runs with is the CPU build, and \
              libtorch_cuda.so could not be opened ({e})"
-        )
-    })?;
-    // Stays loaded for the process.
-    std::mem::forget(lib);
-    if tch::Cuda::is_available() {
-        Ok(())
-    } else {
-        Err("libtorch_cuda.so was loaded but libtorch sees no CUDA device".into())
+        )),
+        _ => Err("libtorch_cuda.so is loaded but libtorch sees no CUDA device (was it loaded after libtorch \
+                  was first asked about CUDA? the trainrec binary loads it at start)"
+            .into()),
     }
 }

@@ -18,6 +18,7 @@ pub mod tensors;
 pub use trainrec_plugin::registry;
 
 pub use check::{check_loaded, load_and_check};
+pub use cuda::preload_torch_cuda;
 pub use dist::DataParallel;
 pub use dmp::{DistributedModelParallel, StateEntry};
 pub use error::EngineError;

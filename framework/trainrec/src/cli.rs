@@ -685,6 +685,11 @@ fn init_tracing(level: Option<&str>) {
 pub fn main_with(registry: Registry) -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_level.as_deref());
+    // libtorch's CUDA half (absent from the CPU install; a CUDA torch's torch/lib on the
+    // library path has it) loads before anything asks libtorch about CUDA.
+    if matches!(cli.command, Command::Run { .. } | Command::Eval { .. } | Command::Launch { .. }) {
+        trainrec_engine::preload_torch_cuda();
+    }
     if let Err(e) = registry.validate() {
         eprintln!("error: {e}");
         return ExitCode::from(2);
