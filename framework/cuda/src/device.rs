@@ -297,9 +297,9 @@ fn lock(t: &Mutex<DeviceTable>) -> MutexGuard<'_, DeviceTable> {
     t.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Row of `id` in a table of `rows` (ids outside read row 0, as the kernels).
+/// Row of `id` in a table of `rows` (ids outside read row 0, as every kernel).
 fn clamp(id: i64, rows: u64) -> u32 {
-    if (id as u64) < rows { id as u32 } else { 0 }
+    trainrec_embedding::clamp_row(id, rows) as u32
 }
 
 impl CudaEbc {

@@ -4,7 +4,7 @@
 
 use trainrec_embedding::{
     EmbeddingBagCollection, EmbeddingError, OptimizerKind, PoolingMode, SparseOptimizerConfig, WeightDecayMode,
-    WeightPrecision,
+    WeightPrecision, clamp_row,
 };
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -98,19 +98,8 @@ impl Layout {
 
     /// The KJT key each output reads (an error naming the first missing feature).
     pub fn resolve(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<usize>, EmbeddingError> {
-        if kjt.variable_stride_per_key() {
-            return Err(EmbeddingError::Shape("variable-batch (VBE) input needs the sharded embedding path".into()));
-        }
-        self.outputs
-            .iter()
-            .map(|o| {
-                kjt.key_index(&o.input).ok_or_else(|| EmbeddingError::MissingFeature {
-                    feature: o.input.clone(),
-                    table: self.tables[o.table].name.clone(),
-                    available: kjt.keys().join(", "),
-                })
-            })
-            .collect()
+        let inputs = self.outputs.iter().map(|o| (o.input.as_str(), self.tables[o.table].name.as_str()));
+        trainrec_embedding::resolve_inputs(kjt, inputs)
     }
 
     /// The first id outside its table (bounds-check `fatal`): an error naming the table,
@@ -120,14 +109,7 @@ impl Layout {
             let rows = self.tables[o.table].rows;
             let f = kjt.feature(k);
             if let Some(pos) = f.values.iter().position(|&id| id < 0 || id as u64 >= rows) {
-                let sample = (0..f.num_bags()).take_while(|&b| f.bag_start(b + 1) <= pos).count();
-                return Err(EmbeddingError::IdOutOfRange {
-                    table: self.tables[o.table].name.clone(),
-                    feature: o.input.clone(),
-                    sample,
-                    id: f.values[pos],
-                    rows,
-                });
+                return Err(trainrec_embedding::id_out_of_range(&f, pos, &self.tables[o.table].name, &o.input, rows));
             }
         }
         Ok(())
@@ -166,7 +148,7 @@ impl Layout {
                 for pos in s..e {
                     let w = f.weights.map_or(1.0, |w| w[pos]);
                     let id = f.values[pos];
-                    let row = slot_of(if (id as u64) < table.rows { id as u32 } else { 0 });
+                    let row = slot_of(clamp_row(id, table.rows) as u32);
                     list.push((row, src, pool * w));
                 }
             }

@@ -180,11 +180,15 @@ impl Core {
                     Some(cache) => {
                         let spr = tables[t].optimizer.state_per_row(c.dim);
                         let init = |rows| crate::tbe::init_uniform_block(key, bound, c.dim, rows, 0..c.dim);
-                        caches[t] = Some(match &group {
-                            Group::F32(_) => RowCache::new::<f32>(&c.name, cache, c.rows, c.dim, spr, init)?,
-                            Group::F16(_) => RowCache::new::<f16>(&c.name, cache, c.rows, c.dim, spr, init)?,
-                            Group::Bf16(_) => RowCache::new::<bf16>(&c.name, cache, c.rows, c.dim, spr, init)?,
-                        });
+                        caches[t] = Some(RowCache::with_precision(
+                            keys[g].precision,
+                            &c.name,
+                            cache,
+                            c.rows,
+                            c.dim,
+                            spr,
+                            init,
+                        )?);
                     }
                 }
             }
@@ -446,19 +450,7 @@ impl Core {
 
     /// Positions of the outputs' input features in `kjt`.
     pub(crate) fn resolve(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<usize>, EmbeddingError> {
-        if kjt.variable_stride_per_key() {
-            return Err(EmbeddingError::Shape("variable-batch (VBE) input needs the sharded embedding path".into()));
-        }
-        self.outputs
-            .iter()
-            .map(|o| {
-                kjt.key_index(&o.input).ok_or_else(|| EmbeddingError::MissingFeature {
-                    feature: o.input.clone(),
-                    table: self.tables[o.table].config.name.clone(),
-                    available: kjt.keys().join(", "),
-                })
-            })
-            .collect()
+        resolve_inputs(kjt, self.outputs.iter().map(|o| (o.input.as_str(), self.tables[o.table].config.name.as_str())))
     }
 
     /// Applies the bounds-check mode: `fatal` fails on the first bad id (nothing changed),
@@ -488,15 +480,10 @@ impl Core {
         if self.bounds == BoundsCheckMode::Fatal {
             if let Some((o, (pos, id))) = found.iter().enumerate().find_map(|(o, f)| f.map(|f| (o, f))) {
                 let f = kjt.feature(keys[o]);
-                let sample = (0..f.num_bags()).take_while(|&b| f.bag_start(b + 1) <= pos).count();
                 let o = &self.outputs[o];
-                return Err(EmbeddingError::IdOutOfRange {
-                    table: self.tables[o.table].config.name.clone(),
-                    feature: o.input.clone(),
-                    sample,
-                    id,
-                    rows: self.tables[o.table].config.rows,
-                });
+                let t = &self.tables[o.table].config;
+                debug_assert_eq!(f.values[pos], id);
+                return Err(id_out_of_range(&f, pos, &t.name, &o.input, t.rows));
             }
         } else {
             let bad: usize = found.iter().flatten().map(|&(n, _)| n).sum();
@@ -613,6 +600,46 @@ impl Core {
             self.caches[*t].as_mut().expect("a cached table").unpin(slots, true);
         }
         Ok(())
+    }
+}
+
+/// The KJT key each of `inputs` reads (each an input feature and the table reading it): an
+/// error naming the first feature missing from `kjt`, or a variable-batch KJT, which only
+/// the sharded path takes. Every collection, CPU or CUDA, resolves its outputs this way.
+pub fn resolve_inputs<'a>(
+    kjt: &KeyedJaggedTensor,
+    inputs: impl Iterator<Item = (&'a str, &'a str)>,
+) -> Result<Vec<usize>, EmbeddingError> {
+    if kjt.variable_stride_per_key() {
+        return Err(EmbeddingError::Shape("variable-batch (VBE) input needs the sharded embedding path".into()));
+    }
+    inputs
+        .map(|(input, table)| {
+            kjt.key_index(input).ok_or_else(|| EmbeddingError::MissingFeature {
+                feature: input.to_string(),
+                table: table.to_string(),
+                available: kjt.keys().join(", "),
+            })
+        })
+        .collect()
+}
+
+/// The bounds-check `fatal` error for the id at position `pos` of feature `f` (read by
+/// `feature` of `table`, `rows` rows): it names the example (bag) holding it.
+pub fn id_out_of_range(
+    f: &trainrec_sparse::FeatureView<'_>,
+    pos: usize,
+    table: &str,
+    feature: &str,
+    rows: u64,
+) -> EmbeddingError {
+    let sample = (0..f.num_bags()).take_while(|&b| f.bag_start(b + 1) <= pos).count();
+    EmbeddingError::IdOutOfRange {
+        table: table.to_string(),
+        feature: feature.to_string(),
+        sample,
+        id: f.values[pos],
+        rows,
     }
 }
 

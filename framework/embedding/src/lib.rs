@@ -25,7 +25,7 @@ mod tbe;
 mod tests;
 
 pub use cache::{CacheConfig, CachePolicy, CacheStats, RowCache, SlotStore};
-pub use collection::initial_weights;
+pub use collection::{id_out_of_range, initial_weights, resolve_inputs};
 pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, WeightDecayMode,
     WeightPrecision, defaults,
@@ -35,7 +35,7 @@ pub use ec::{EmbeddingCollection, SequenceEmbeddings};
 pub use optim::{OptimizerKind, StepConstants};
 pub use position::PositionWeightedModule;
 pub use precision::{Weight, rounding_key};
-pub use tbe::RowBlock;
+pub use tbe::{RowBlock, clamp_row};
 
 /// Why an embedding operation failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

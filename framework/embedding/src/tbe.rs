@@ -110,9 +110,10 @@ pub(crate) fn has_avx2() -> bool {
 pub(crate) const PREFETCH: usize = 12;
 
 /// The row an id reads: ids outside `0..rows` read row 0 (FBGEMM's bounds-check `WARNING` /
-/// `IGNORE` rewrite; in `fatal` mode such a batch never reaches the kernels).
+/// `IGNORE` rewrite; in `fatal` mode such a batch never reaches the kernels). Every kernel,
+/// CPU or CUDA, reads rows this way.
 #[inline(always)]
-pub(crate) fn clamp_row(id: i64, rows: u64) -> usize {
+pub fn clamp_row(id: i64, rows: u64) -> usize {
     if (id as u64) < rows { id as usize } else { 0 }
 }
 
