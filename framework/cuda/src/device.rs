@@ -487,10 +487,12 @@ impl CudaEbc {
                 };
                 let base = kjt.offsets()[k * b];
                 let offsets: Vec<i64> = kjt.offsets()[k * b..=k * b + b].iter().map(|&x| (x - base) as i64).collect();
-                own = Some((be.upload(&ids)?, be.upload(&offsets)?, f.weights.map(|w| be.upload(w)).transpose()?));
+                // The feature's per-id weights are the batch's, from its first id on.
+                let w = batch.weights.as_ref().map_or(0, |w| be.addr(w, base));
+                own = Some((be.upload(&ids)?, be.upload(&offsets)?, w));
             }
             let (values, offsets, weights) = match &own {
-                Some((v, o, w)) => (be.addr(v, 0), be.addr(o, 0), w.as_ref().map_or(0, |w| be.addr(w, 0))),
+                Some((v, o, w)) => (be.addr(v, 0), be.addr(o, 0), *w),
                 None => (be.addr(&batch.values, 0), be.addr(&batch.offsets, k * b), weights),
             };
             let (table, rows) = match &staged {
