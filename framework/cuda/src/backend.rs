@@ -258,7 +258,7 @@ unsafe fn emulate(kernel: Kernel, p: WeightPrecision, grid: u32, args: &[Arg]) {
     // buffers, and the raw entry points take exactly these arguments.
     unsafe {
         match kernel {
-            Kernel::Pool => emu::raw_pool(
+            Kernel::Pool => emu::pool(
                 grid,
                 precision,
                 ptr(0),
@@ -273,13 +273,11 @@ unsafe fn emulate(kernel: Kernel, p: WeightPrecision, grid: u32, args: &[Arg]) {
                 int(9),
                 int(10),
             ),
-            Kernel::Gather => emu::raw_gather(grid, precision, ptr(0), int(1), int(2) as i32, ptr(3), int(4), ptr(5)),
-            Kernel::CopyRows => {
-                emu::raw_copy_rows(grid, ptr(0), int(1), ptr(2), ptr(3), int(4), ptr(5), int(6), int(7))
-            }
+            Kernel::Gather => emu::gather(grid, precision, ptr(0), int(1), int(2) as i32, ptr(3), int(4), ptr(5)),
+            Kernel::CopyRows => emu::copy_rows(grid, ptr(0), int(1), ptr(2), ptr(3), int(4), ptr(5), int(6), int(7)),
             Kernel::Update => {
                 let Arg::Step(step) = &args[10] else { panic!("argument 10 of update is not the step") };
-                emu::raw_update(
+                emu::update(
                     grid,
                     precision,
                     ptr(0),

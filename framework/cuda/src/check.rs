@@ -184,7 +184,7 @@ pub fn run_with(
                 same &= s;
                 let (d, s) = compare(&gpu.optimizer_state(t)?, &cpu.optimizer_state(t).unwrap_or_default());
                 st = st.max(d);
-                same &= s;
+                same &= s && cpu.step_count(t) == Some(gpu.step_count(t)?);
             }
         }
         identical += usize::from(same);

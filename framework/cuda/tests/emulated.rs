@@ -1,6 +1,7 @@
-//! `CudaEbc` itself (uploads, launches, occurrence lists, step counts, table I/O) on the
-//! emulator backend: the device check's cases, checkpoints' table round trip, sequence
-//! lookups and bounds errors, against the CPU collection. Needs feature `emulator`, which
+//! The CUDA kernels and `CudaEbc` itself (uploads, launches, occurrence lists, step counts,
+//! table I/O) on the emulator backend, where the kernels run compiled as host C++: the device
+//! check's cases, checkpoints' table round trip, sequence lookups and bounds errors, cached
+//! tables, against the CPU collection. Needs feature `emulator`, which
 //! `cargo test --workspace` turns on through the engine's tests.
 #![cfg(feature = "emulator")]
 
@@ -11,15 +12,35 @@ use trainrec_embedding::{BoundsCheckMode, SparseOptimizerConfig, WeightPrecision
 fn the_device_checks_cases_are_bit_identical_on_the_emulator() {
     let r = check::run_with(CudaEbc::emulated).unwrap();
     assert_eq!(r["total"], 24, "{r}");
-    let differing: Vec<&str> = r["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| c["bit_identical"] != true)
-        .map(|c| c["case"].as_str().unwrap())
-        .collect();
-    assert!(differing.is_empty(), "cases that differ from the CPU engine: {differing:?}");
+    // Forward outputs, sequence lookups, weights, optimizer states and step counts after each
+    // of the 3 steps, bit for bit; the rows of the differing cases show their largest errors.
+    let differing: Vec<&serde_json::Value> =
+        r["cases"].as_array().unwrap().iter().filter(|c| c["bit_identical"] != true).collect();
+    assert!(differing.is_empty(), "cases that differ from the CPU engine: {differing:#?}");
     assert_eq!(r["bit_identical"], 24);
+}
+
+#[test]
+fn gathers_copy_rows_and_read_row_zero_for_bad_ids() {
+    for precision in [WeightPrecision::Fp32, WeightPrecision::Fp16, WeightPrecision::Bf16] {
+        let c = check::Case {
+            optimizer: SparseOptimizerConfig::Sgd { lr: 0.1 },
+            precision,
+            mean: false,
+            weighted: false,
+            stochastic: false,
+        };
+        let cpu = check::collection(&c);
+        let mut gpu = CudaEbc::emulated(&cpu).unwrap();
+        gpu.set_bounds_check(BoundsCheckMode::Ignore);
+        let w = cpu.table_weights("c").unwrap();
+        let ids = [3i64, 16, 3, -1, 17, 0, 5];
+        let out = gpu.download(&gpu.lookup_rows("c", &ids).unwrap()).unwrap();
+        for (i, &id) in ids.iter().enumerate() {
+            let r = if (0..17).contains(&id) { id as usize } else { 0 };
+            assert_eq!(out[i * 70..][..70], w[r * 70..][..70], "{precision:?}: id {id}");
+        }
+    }
 }
 
 fn case(precision: WeightPrecision) -> check::Case {

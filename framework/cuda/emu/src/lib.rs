@@ -40,7 +40,7 @@ unsafe extern "C" {
 /// # Safety
 /// Every record read and written must lie in live host buffers.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn raw_copy_rows(
+pub unsafe fn copy_rows(
     grid: u32,
     src: u64,
     src_stride: i64,
@@ -61,103 +61,14 @@ entry_points! {
     emu_pool_bf16, emu_gather_bf16, emu_update_bf16;
 }
 
-/// `trainrec_pool_*` over `grid` blocks: pools the bags of `offsets` (absolute into
-/// `values`) of a `rows x dim` table into columns `col..col + dim` of `width`-wide rows of
-/// `out`.
-///
-/// # Safety
-/// `table` must hold `rows * dim` weights of `precision`; `offsets` must index `values`
-/// (and `weights`, when given); `out` must hold `(offsets.len() - 1) * width` floats with
-/// `col + dim <= width`.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn pool(
-    grid: u32,
-    precision: Precision,
-    table: *const c_void,
-    rows: i64,
-    dim: i32,
-    values: &[i64],
-    offsets: &[i64],
-    weights: Option<&[f32]>,
-    mean: bool,
-    out: &mut [f32],
-    width: i64,
-    col: i64,
-) {
-    let n = offsets.len() as i64 - 1;
-    let w = weights.map_or(0, |w| w.as_ptr() as u64);
-    let (v, o, out) = (values.as_ptr() as u64, offsets.as_ptr() as u64, out.as_mut_ptr() as u64);
-    // SAFETY: the caller's contract.
-    unsafe { raw_pool(grid, precision, table as u64, rows, dim, v, o, w, n, i32::from(mean), out, width, col) }
-}
-
-/// `trainrec_gather_*`: the rows of `ids` into `out` (`ids.len() * dim` floats).
-///
-/// # Safety
-/// `table` must hold `rows * dim` weights of `precision`; `out` `ids.len() * dim` floats.
-pub unsafe fn gather(
-    grid: u32,
-    precision: Precision,
-    table: *const c_void,
-    rows: i64,
-    dim: i32,
-    ids: &[i64],
-    out: &mut [f32],
-) {
-    let (i, n, o) = (ids.as_ptr() as u64, ids.len() as i64, out.as_mut_ptr() as u64);
-    // SAFETY: the caller's contract.
-    unsafe { raw_gather(grid, precision, table as u64, rows, dim, i, n, o) }
-}
-
-/// `trainrec_update_*`: the fused backward + optimizer over the unique rows `rows` with
-/// segments `seg` of occurrences `src` / `scale` into `grad`.
-///
-/// # Safety
-/// `table` must hold the table's weights of `precision` and `state` its optimizer state
-/// (`spr` floats per row) for every row in `rows`; every `src + dim` must lie in `grad`;
-/// `args` must point to the kernels' `StepArgs`.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn update(
-    grid: u32,
-    precision: Precision,
-    table: *mut c_void,
-    state: *mut f32,
-    dim: i32,
-    spr: i32,
-    rows: &[i64],
-    seg: &[u32],
-    src: &[u32],
-    scale: &[f32],
-    grad: &[f32],
-    args: *const c_void,
-) {
-    let a = |p: *const u8| p as u64;
-    // SAFETY: the caller's contract.
-    unsafe {
-        raw_update(
-            grid,
-            precision,
-            table as u64,
-            state as u64,
-            dim,
-            spr,
-            a(rows.as_ptr().cast()),
-            a(seg.as_ptr().cast()),
-            a(src.as_ptr().cast()),
-            a(scale.as_ptr().cast()),
-            rows.len() as i64,
-            a(grad.as_ptr().cast()),
-            args,
-        )
-    }
-}
-
 /// `trainrec_pool_*` with every pointer as an address (as a GPU launch passes them).
 ///
 /// # Safety
-/// As [`pool`]: the addresses are of live host buffers of the sizes the kernel indexes.
+/// The addresses are of live host buffers: `table` of `rows * dim` weights of `precision`,
+/// `offsets` (n + 1) indexing `values` (and `weights` unless 0), `out` of n rows of `width`
+/// floats with `col + dim <= width`.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn raw_pool(
+pub unsafe fn pool(
     grid: u32,
     precision: Precision,
     table: u64,
@@ -184,9 +95,10 @@ pub unsafe fn raw_pool(
 /// `trainrec_gather_*` with addresses.
 ///
 /// # Safety
-/// As [`gather`].
+/// `table` must hold `rows * dim` weights of `precision`, `ids` n ids, `out` n rows of `dim`
+/// floats.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn raw_gather(grid: u32, precision: Precision, table: u64, rows: i64, dim: i32, ids: u64, n: i64, out: u64) {
+pub unsafe fn gather(grid: u32, precision: Precision, table: u64, rows: i64, dim: i32, ids: u64, n: i64, out: u64) {
     let f = match precision {
         Precision::F32 => emu_gather_f32,
         Precision::F16 => emu_gather_f16,
@@ -199,9 +111,12 @@ pub unsafe fn raw_gather(grid: u32, precision: Precision, table: u64, rows: i64,
 /// `trainrec_update_*` with addresses.
 ///
 /// # Safety
-/// As [`update`].
+/// `table` and `state` must hold the weights of `precision` and the state (`spr` floats per
+/// row) of every row in `rows` (`uniques` of them, `seg` their `uniques + 1` segment starts
+/// into `src` / `scale`), every `src + dim` must lie in `grad`, and `args` must point to the
+/// kernels' `StepArgs`.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn raw_update(
+pub unsafe fn update(
     grid: u32,
     precision: Precision,
     table: u64,
