@@ -107,6 +107,15 @@ impl Backend {
         Ok(Self::Cuda { stream, functions })
     }
 
+    /// A copy stream of the highest priority, ordered against this backend's stream.
+    pub(crate) fn copy_stream(&self) -> Result<crate::copy::CopyStream, CudaError> {
+        match self {
+            Self::Cuda { stream, .. } => crate::copy::CopyStream::new(stream.context(), stream.clone()),
+            #[cfg(feature = "emulator")]
+            Self::Emulator => Ok(crate::copy::CopyStream::emulated()),
+        }
+    }
+
     /// A copy of `v` in the backend's memory (`v` may be empty).
     pub(crate) fn upload<T: DeviceRepr + Copy>(&self, v: &[T]) -> Result<Buf<T>, CudaError> {
         match self {

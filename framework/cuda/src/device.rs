@@ -12,6 +12,7 @@ use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::CudaError;
 use crate::backend::{Arg, Backend, Buf, Kernel, driver};
+use crate::copy::{CopyStream, Staged};
 use crate::host::{self, Layout, StepArgs, StoredWeights, TableSpec};
 
 /// The GPU a CUDA collection runs on.
@@ -277,12 +278,51 @@ pub struct CudaEbc {
     layout: Layout,
     info: GpuInfo,
     backend: Backend,
+    /// Batches copied ahead at high priority ([`Self::stage`]).
+    copy: CopyStream,
     /// Locked one at a time (lookups move a cached table's rows).
     tables: Vec<Mutex<DeviceTable>>,
     bounds: BoundsCheckMode,
     /// Prefetched batches not trained yet, oldest first: what identifies each, and the slots
     /// it pinned per cached table.
     pending: Vec<(u64, Vec<Option<Vec<u32>>>)>,
+}
+
+/// A batch's ids, bag offsets, per-id weights and the caller's parts (e.g. its dense features
+/// and labels) copied to the GPU ahead of its lookup on the copy stream ([`CudaEbc::stage`]);
+/// [`CudaEbc::forward_staged_into_raw`] reads the ids there. Its staging slot is free again
+/// once it is dropped and the default stream has passed its readers.
+pub struct StagedBatch {
+    staged: Staged,
+    /// [`batch_key`] of the KJT.
+    key: u64,
+    weighted: bool,
+}
+
+impl StagedBatch {
+    /// Makes the default stream wait for the copy and returns the addresses of the caller's
+    /// parts (in the order given to [`CudaEbc::stage`]): enqueue their readers after this.
+    pub fn parts(&self) -> Result<Vec<u64>, CudaError> {
+        Ok(self.staged.wait()?[3..].to_vec())
+    }
+}
+
+/// Identifies a KJT by its contents.
+fn batch_key(kjt: &KeyedJaggedTensor) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (kjt.keys(), kjt.stride(), kjt.values(), kjt.lengths()).hash(&mut h);
+    kjt.weights().map(|w| w.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).hash(&mut h);
+    h.finish()
+}
+
+/// Where a lookup reads a batch's ids: addresses in the collection's memory.
+#[derive(Clone, Copy)]
+struct Ids {
+    values: u64,
+    offsets: u64,
+    /// 0: no per-id weights.
+    weights: u64,
 }
 
 /// Identifies a batch by the rows it reads from cached tables.
@@ -373,7 +413,8 @@ impl CudaEbc {
             };
             tables.push(Mutex::new(table));
         }
-        Ok(Self { layout, info, backend, tables, bounds: BoundsCheckMode::Fatal, pending: Vec::new() })
+        let copy = backend.copy_stream()?;
+        Ok(Self { layout, info, backend, copy, tables, bounds: BoundsCheckMode::Fatal, pending: Vec::new() })
     }
 
     /// The GPU.
@@ -419,11 +460,38 @@ impl CudaEbc {
         lock(&self.tables[i]).cache.as_ref().map(|c| c.stats)
     }
 
-    fn upload_batch(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<usize>, DeviceBatch), CudaError> {
+    /// The batch's output keys, its ids checked as the bounds check says.
+    fn checked_keys(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<usize>, CudaError> {
         let keys = self.layout.resolve(kjt)?;
         if self.bounds == BoundsCheckMode::Fatal {
             self.layout.check_ids(kjt, &keys)?;
         }
+        Ok(keys)
+    }
+
+    /// The copy stream batches are staged on.
+    pub fn copy_stream(&self) -> &CopyStream {
+        &self.copy
+    }
+
+    /// Copies `kjt`'s ids, bag offsets and per-id weights, and `parts` (host buffers of the
+    /// caller's, e.g. the batch's dense features and labels), to the GPU on the copy stream
+    /// (the highest priority), through pinned memory, while the default stream goes on: the
+    /// `base` pipeline's copy stage, or the next batch's copy while this one trains. The ids
+    /// are checked as the bounds check says. Callable from another thread than the
+    /// training's (the pipeline's stage).
+    pub fn stage(&self, kjt: &KeyedJaggedTensor, parts: &[&[u8]]) -> Result<StagedBatch, CudaError> {
+        self.checked_keys(kjt)?;
+        let offsets: Vec<i64> = kjt.offsets().iter().map(|&o| o as i64).collect();
+        let weights: &[f32] = kjt.weights().unwrap_or(&[]);
+        let mut all: Vec<&[u8]> = vec![bytemuck_bytes(kjt.values()), bytemuck_bytes(&offsets), bytemuck_bytes(weights)];
+        all.extend_from_slice(parts);
+        let staged = self.copy.stage(&all)?;
+        Ok(StagedBatch { staged, key: batch_key(kjt), weighted: !weights.is_empty() })
+    }
+
+    fn upload_batch(&self, kjt: &KeyedJaggedTensor) -> Result<(Vec<usize>, DeviceBatch), CudaError> {
+        let keys = self.checked_keys(kjt)?;
         let offsets: Vec<i64> = kjt.offsets().iter().map(|&o| o as i64).collect();
         let weights = match kjt.weights() {
             Some(w) if !w.is_empty() => Some(self.backend.upload(w)?),
@@ -456,13 +524,54 @@ impl CudaEbc {
     /// memory that stay valid until the stream passes the launches.
     pub unsafe fn forward_into_raw(&self, kjt: &KeyedJaggedTensor, out: u64) -> Result<(), CudaError> {
         let (keys, batch) = self.upload_batch(kjt)?;
+        let be = &self.backend;
+        let ids = Ids {
+            values: be.addr(&batch.values, 0),
+            offsets: be.addr(&batch.offsets, 0),
+            weights: batch.weights.as_ref().map_or(0, |w| be.addr(w, 0)),
+        };
+        // SAFETY: the caller's contract; `ids` point into `batch`, alive until the launches
+        // are enqueued (and freed in stream order after them).
+        unsafe { self.pool(kjt, &keys, ids, out) }
+    }
+
+    /// [`Self::forward_into_raw`] reading the ids `staged` copied ahead (the batch
+    /// [`Self::stage`] was given: another batch is an error).
+    ///
+    /// # Safety
+    /// As [`Self::forward_into_raw`].
+    pub unsafe fn forward_staged_into_raw(
+        &self,
+        kjt: &KeyedJaggedTensor,
+        staged: &StagedBatch,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        if staged.key != batch_key(kjt) {
+            return Err(CudaError::Unsupported(
+                "a staged batch was looked up with another batch's ids (stage batches in the order they train)".into(),
+            ));
+        }
+        let keys = self.layout.resolve(kjt)?;
+        let a = staged.staged.wait()?;
+        let ids = Ids { values: a[0], offsets: a[1], weights: if staged.weighted { a[2] } else { 0 } };
+        // SAFETY: the caller's contract; the staged parts stay in their slot while `staged`
+        // lives, and its drop frees the slot only after the default stream passes the launches.
+        unsafe { self.pool(kjt, &keys, ids, out) }
+    }
+
+    /// The pooling launches of a batch whose ids are at `ids`.
+    ///
+    /// # Safety
+    /// As [`Self::forward_into_raw`]; `ids` must hold `kjt`'s values, offsets (as `i64`) and
+    /// weights (when it has them) until the launches are done.
+    unsafe fn pool(&self, kjt: &KeyedJaggedTensor, keys: &[usize], ids: Ids, out: u64) -> Result<(), CudaError> {
         let b = kjt.stride();
         if b == 0 {
             return Ok(());
         }
         let be = &self.backend;
-        let weights = batch.weights.as_ref().map_or(0, |w| be.addr(w, 0));
-        for (o, &k) in self.layout.outputs.iter().zip(&keys) {
+        let weights = ids.weights;
+        for (o, &k) in self.layout.outputs.iter().zip(keys) {
             let mut t = lock(&self.tables[o.table]);
             // A cached table's ids become slots (its rows made resident first), or, when the
             // batch has more distinct rows than the cache has slots, positions in a table of
@@ -488,12 +597,12 @@ impl CudaEbc {
                 let base = kjt.offsets()[k * b];
                 let offsets: Vec<i64> = kjt.offsets()[k * b..=k * b + b].iter().map(|&x| (x - base) as i64).collect();
                 // The feature's per-id weights are the batch's, from its first id on.
-                let w = batch.weights.as_ref().map_or(0, |w| be.addr(w, base));
+                let w = if weights == 0 { 0 } else { weights + 4 * base as u64 };
                 own = Some((be.upload(&ids)?, be.upload(&offsets)?, w));
             }
             let (values, offsets, weights) = match &own {
                 Some((v, o, w)) => (be.addr(v, 0), be.addr(o, 0), *w),
-                None => (be.addr(&batch.values, 0), be.addr(&batch.offsets, k * b), weights),
+                None => (ids.values, ids.offsets + 8 * (k * b) as u64, weights),
             };
             let (table, rows) = match &staged {
                 Some((w, n)) => (w.addr(be), *n),
@@ -517,8 +626,6 @@ impl CudaEbc {
             // clamped to the table or its slots), and it writes b rows of `width` at `out`.
             unsafe { be.launch(Kernel::Pool, t.spec.precision, b, &args)? };
         }
-        // The batch's buffers are freed in stream order after the launches.
-        drop(batch);
         Ok(())
     }
 
@@ -832,4 +939,10 @@ fn write_table(t: &mut DeviceTable, be: &Backend, weights: &[f32], state: &[f32]
     let (mut store, cache) = t.slot_writer(be);
     cache.write_table(&mut store, &host::stored_bytes(&stored), state)?;
     Ok(())
+}
+
+/// A slice's bytes.
+fn bytemuck_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: plain integers and floats (i64, f32) have no padding; the bytes are only read.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }

@@ -17,11 +17,14 @@
 mod backend;
 pub mod bench;
 pub mod check;
+mod copy;
 mod device;
 pub mod host;
 mod nvrtc;
+mod shard;
 
-pub use device::{CudaEbc, DeviceBuffer, GpuInfo, probe};
+pub use copy::{CopyStream, Staged};
+pub use device::{CudaEbc, DeviceBuffer, GpuInfo, StagedBatch, probe};
 pub use nvrtc::{compile_ptx, nvrtc_location};
 
 /// The kernels' source (CUDA C++).

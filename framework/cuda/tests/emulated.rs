@@ -222,3 +222,98 @@ fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
     assert!(e.contains("table \"") && e.contains("cache of 2 rows") && e.contains("load_factor"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Runs every pooled case of the sharding conformance kit on `world` thread ranks with each
+/// rank's shards and replicas in an emulated `CudaEbc`; returns how many ran.
+fn sharded_cases_on_the_emulator(world: usize, weighted: bool) -> usize {
+    use std::sync::Arc;
+    use trainrec_dist::{ProcessGroup, ShardEngine, ThreadGroup, conformance};
+    let cases: Vec<conformance::Case> = conformance::cases(&conformance::standard_sizes(world, 0), weighted)
+        .into_iter()
+        .filter(|c| !c.sequence)
+        .collect();
+    let n = cases.len();
+    let results = ThreadGroup::run(world, std::time::Duration::from_secs(120), |pg| {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+        let mut make = |cpu: &trainrec_embedding::EmbeddingBagCollection| {
+            CudaEbc::emulated(cpu)
+                .map(|g| Box::new(g) as Box<dyn ShardEngine>)
+                .map_err(|e| trainrec_dist::DistError::Module(e.to_string()))
+        };
+        for case in &cases {
+            conformance::run_case_on(pg.clone(), case, Some(&mut make))?;
+        }
+        Ok::<(), String>(())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        if let Err(e) = r.unwrap_or_else(|e| Err(format!("rank {rank}: {e}"))) {
+            panic!("{e}");
+        }
+    }
+    n
+}
+
+#[test]
+fn sharded_collections_train_their_shards_in_the_cuda_engine() {
+    // Every sharding type and a mix (table-, row-, column-, table-row-, table-column-wise,
+    // grid, data-parallel), each with its optimizer, SGD and deduplicated (VBE) batches: the
+    // sharded collection's shards in the CUDA engine (the same input and output dists) train
+    // like the unsharded CPU collection on the global batch.
+    assert!(sharded_cases_on_the_emulator(2, false) >= 20);
+    assert!(sharded_cases_on_the_emulator(3, true) >= 20);
+}
+
+#[test]
+fn staged_batches_are_looked_up_like_uploaded_ones_and_free_their_slots() {
+    use rand::SeedableRng;
+    let c = check::Case {
+        optimizer: SparseOptimizerConfig::Sgd { lr: 0.1 },
+        precision: WeightPrecision::Fp16,
+        mean: true,
+        weighted: true,
+        stochastic: false,
+    };
+    let gpu = CudaEbc::emulated(&check::collection(&c)).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (k1, k2) = (check::batch(&mut rng, true, 0), check::batch(&mut rng, true, 1));
+    let dense: Vec<f32> = (0..k1.stride() * 3).map(|i| i as f32 * 0.25 - 7.0).collect();
+    let labels: Vec<f32> = (0..k1.stride()).map(|i| (i % 2) as f32).collect();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+    let (db, lb) = (bytes(&dense), bytes(&labels));
+    // Two batches staged at once (batch i+1 while batch i is in use) hold two slots.
+    let s1 = gpu.stage(&k1, &[&db, &lb]).unwrap();
+    let s2 = gpu.stage(&k2, &[&db[..8], &[]]).unwrap();
+    assert_eq!(gpu.copy_stream().slots(), 2);
+    assert_eq!(gpu.copy_stream().priority(), None, "the emulator has no stream priorities");
+    for (kjt, staged) in [(&k1, &s1), (&k2, &s2)] {
+        let want = gpu.download(&gpu.forward(kjt).unwrap()).unwrap();
+        let mut got = vec![f32::NAN; kjt.stride() * gpu.width()];
+        // SAFETY: emulator memory is host memory; `got` holds batch x width floats.
+        unsafe { gpu.forward_staged_into_raw(kjt, staged, got.as_mut_ptr() as u64).unwrap() };
+        assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "staged lookups differ");
+    }
+    // The caller's parts arrive as given (host addresses on the emulator).
+    let parts = s1.parts().unwrap();
+    // SAFETY: the staged copies of `dense` and `labels`, alive while `s1` is.
+    let (d, l) = unsafe {
+        (
+            std::slice::from_raw_parts(parts[0] as *const f32, dense.len()),
+            std::slice::from_raw_parts(parts[1] as *const f32, labels.len()),
+        )
+    };
+    assert_eq!((d, l), (&dense[..], &labels[..]));
+    // A staged batch read with another batch's ids is refused.
+    let mut out = vec![0f32; k2.stride() * gpu.width()];
+    // SAFETY: as above.
+    let err = unsafe { gpu.forward_staged_into_raw(&k2, &s1, out.as_mut_ptr() as u64) }.unwrap_err();
+    assert!(err.to_string().contains("another batch"), "{err}");
+    // Dropped batches free their slots: the next two reuse them.
+    drop((s1, s2));
+    let s3 = gpu.stage(&k1, &[&db]).unwrap();
+    let s4 = gpu.stage(&k1, &[&lb, &db]).unwrap();
+    assert_eq!(gpu.copy_stream().slots(), 2);
+    // SAFETY: as above; the slot of s3 was s1's or s2's, rewritten with this batch.
+    let d = unsafe { std::slice::from_raw_parts(s3.parts().unwrap()[0] as *const f32, dense.len()) };
+    assert_eq!(d, &dense[..]);
+    drop((s3, s4));
+}

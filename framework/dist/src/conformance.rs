@@ -17,7 +17,7 @@ use trainrec_embedding::{
 use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{ProcessGroup, ShardSpec, ShardedEbc, ShardedEc, TableSharding};
+use crate::{DistError, ProcessGroup, ShardEngine, ShardSpec, ShardedEbc, ShardedEc, TableSharding};
 
 /// Training steps per case.
 pub const STEPS: usize = 3;
@@ -132,9 +132,22 @@ fn case_batches(pg: &dyn ProcessGroup, case: &Case) -> Result<(usize, Vec<Batch>
     Ok((total, batches, start..start + sizes[pg.rank()]))
 }
 
+/// Builds the engine a rank's shards move into ([`ShardedEbc::move_shards`]).
+pub type MakeEngine<'a> = &'a mut dyn FnMut(&EmbeddingBagCollection) -> Result<Box<dyn ShardEngine>, DistError>;
+
 /// Runs `case` on this rank of `pg` (every rank must run the same cases in the same order).
 pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
+    run_case_on(pg, case, None)
+}
+
+/// [`run_case`] with the pooled collection's shards moved into the engine `engine` builds
+/// (e.g. the CUDA one), when given: the engine must train them as the CPU collection does.
+/// Sequence cases run on the CPU collection only (an error with an engine).
+pub fn run_case_on(pg: Arc<dyn ProcessGroup>, case: &Case, engine: Option<MakeEngine<'_>>) -> Result<(), String> {
     if case.sequence {
+        if engine.is_some() {
+            return Err(format!("{}: sequence cases run on the CPU collection only", case.name));
+        }
         return run_sequence_case(pg, case);
     }
     let name = &case.name;
@@ -168,6 +181,9 @@ pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {
     }
     for (t, w) in tables().iter().zip(&initial) {
         ebc.set_table_weights(&t.name, w).map_err(d)?;
+    }
+    if let Some(make) = engine {
+        ebc.move_shards(make).map_err(d)?;
     }
     for (step, b) in batches.iter().enumerate() {
         let local = kjt(b, mine.clone());

@@ -47,6 +47,7 @@ use trainrec_planner::{ShardingType, TablePlan};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::group::{DistError, ProcessGroup, ProcessGroupExt, offsets};
+use crate::shard_engine::ShardEngine;
 
 /// One block of a table on one rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -288,10 +289,12 @@ pub struct ShardedEbc {
     rs: Vec<usize>,
     /// Floats per example of the reduce-scatter.
     rs_width: usize,
-    local: Option<EmbeddingBagCollection>,
+    /// This rank's shards (one local table each), in the engine computing them.
+    local: Option<Box<dyn ShardEngine>>,
     /// Local table name of each (table, shard) held here.
     local_names: Vec<Vec<Option<String>>>,
-    dp: Option<EmbeddingBagCollection>,
+    /// The data-parallel tables' replicas, in the engine computing them.
+    dp: Option<Box<dyn ShardEngine>>,
     dp_outputs: Vec<usize>,
     optimizer: SparseOptimizerConfig,
     /// Ranks per host.
@@ -893,7 +896,7 @@ impl ShardedEbc {
             for (name, w) in initial_shard_weights(&tables, &shardings, &init, seed) {
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
-            Some(ebc)
+            Some(Box::new(ebc) as Box<dyn ShardEngine>)
         };
         if let Some(l) = &local {
             if l.output_keys() != expected {
@@ -911,7 +914,7 @@ impl ShardedEbc {
             for (name, w) in initial_replica_weights(&tables, &shardings, seed) {
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
-            Some(ebc)
+            Some(Box::new(ebc) as Box<dyn ShardEngine>)
         };
         Ok(Self {
             pg,
@@ -1102,7 +1105,7 @@ impl ShardedEbc {
     /// nothing to do without cached shards).
     pub fn prefetch(&mut self, staged: &InputDist) -> Result<(), DistError> {
         if let (Some(local), Some(k)) = (&mut self.local, &staged.local_kjt) {
-            local.prefetch(k).map_err(module)?;
+            local.prefetch(k)?;
         }
         Ok(())
     }
@@ -1159,9 +1162,42 @@ impl ShardedEbc {
         }
     }
 
-    /// This rank's local collection of shards (with their caches), when it holds any.
-    pub fn local(&self) -> Option<&EmbeddingBagCollection> {
-        self.local.as_ref()
+    /// The engine of this rank's shards (with their caches), when it holds any.
+    pub fn local(&self) -> Option<&dyn ShardEngine> {
+        self.local.as_deref()
+    }
+
+    /// The engine of this rank's data-parallel replicas, when there are any.
+    pub fn replicas(&self) -> Option<&dyn ShardEngine> {
+        self.dp.as_deref()
+    }
+
+    /// Moves this rank's shards and replicas into engines `make` builds from their CPU
+    /// collections (e.g. trainrec's CUDA collection: the same tables, initial values and
+    /// optimizer state on a GPU); the sharding and its collectives stay as they are. Not
+    /// collective. Fails if an engine was moved before, or if `make` builds one with other
+    /// outputs.
+    pub fn move_shards(
+        &mut self,
+        mut make: impl FnMut(&EmbeddingBagCollection) -> Result<Box<dyn ShardEngine>, DistError>,
+    ) -> Result<(), DistError> {
+        for engine in [&mut self.local, &mut self.dp].into_iter().flatten() {
+            let cpu = engine
+                .as_cpu()
+                .ok_or_else(|| DistError::Module("move_shards: the shards are already in another engine".into()))?;
+            let moved = make(cpu)?;
+            if moved.output_keys() != cpu.output_keys() || moved.width() != cpu.width() {
+                return Err(DistError::Module(format!(
+                    "move_shards: the new engine's outputs {:?} (width {}) differ from the shards' {:?} (width {})",
+                    moved.output_keys(),
+                    moved.width(),
+                    cpu.output_keys(),
+                    cpu.width()
+                )));
+            }
+            *engine = moved;
+        }
+        Ok(())
     }
 
     /// The rest of [`Self::forward`] after [`Self::input_dist`] of the same `kjt`: the local
@@ -1189,7 +1225,7 @@ impl ShardedEbc {
         let lw = self.local_width[me];
         let mut pooled = vec![0f32; stride * lw];
         if let (Some(local), Some(k)) = (&self.local, &local_kjt) {
-            local.forward_into(k, &mut pooled).map_err(module)?;
+            local.forward_into(k, &mut pooled)?;
         }
         times.lookup = clock.elapsed().as_secs_f64();
 
@@ -1309,8 +1345,9 @@ impl ShardedEbc {
                 }
             }
             let k = kjt.select_keys(&unique).and_then(|k| k.expand_vbe()).map_err(module)?;
-            let pooled = dp.forward(&k).map_err(module)?;
-            let (vals, pw) = (pooled.values(), pooled.width());
+            let pw = dp.width();
+            let mut vals = vec![0f32; k.stride() * pw];
+            dp.forward_into(&k, &mut vals)?;
             let mut c = 0;
             for &o in &self.dp_outputs {
                 let dim = self.tables[self.outputs[o].table].dim;
@@ -1474,7 +1511,7 @@ impl ShardedEbc {
         times.grad_dist = clock.elapsed().as_secs_f64();
         let clock = std::time::Instant::now();
         if let (Some(local), Some(k)) = (&mut self.local, &ctx.input.local_kjt) {
-            local.backward_and_update(k, &local_grad).map_err(module)?;
+            local.backward_and_update(k, &local_grad)?;
         }
         times.update = clock.elapsed().as_secs_f64();
 
@@ -1506,7 +1543,7 @@ impl ShardedEbc {
             let global = merge_by_source(k.keys().to_vec(), &per_key, &lengths, &values, weights.as_deref(), total)?;
             times.grad_dist += clock.elapsed().as_secs_f64();
             let clock = std::time::Instant::now();
-            dp.backward_and_update(&global, &grads).map_err(module)?;
+            dp.backward_and_update(&global, &grads)?;
             times.update += clock.elapsed().as_secs_f64();
         }
         Ok(times)
@@ -1547,7 +1584,7 @@ impl ShardedEbc {
         let t = &self.tables[ti];
         if self.shardings[ti].sharding_type == ShardingType::DataParallel {
             let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
-            return dp.reset_rows(name, rows, key).map_err(module);
+            return dp.reset_rows(name, rows, key);
         }
         let me = self.pg.rank();
         for (si, sh) in self.shardings[ti].shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
@@ -1559,7 +1596,7 @@ impl ShardedEbc {
                 trainrec_embedding::RowBlock { row_offset: sh.rows.start, cols: sh.cols.clone(), full_dim: t.dim };
             let lname = self.local_names[ti][si].as_deref().expect("a local shard has a local table");
             let l = self.local.as_mut().expect("local shards");
-            l.reset_block_rows(lname, &local, key, &block, t.rows).map_err(module)?;
+            l.reset_block_rows(lname, &local, key, &block, t.rows)?;
         }
         Ok(())
     }

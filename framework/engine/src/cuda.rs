@@ -1,7 +1,13 @@
 //! Jobs on a GPU (`topology.compute_device = "cuda"`): the dense model on the GPU through
 //! libtorch, the tables in GPU memory behind trainrec's CUDA kernels
 //! ([`trainrec_cuda::CudaEbc`]), the pooled embeddings and their gradient shared with libtorch
-//! as device memory (no copy). One rank for now.
+//! as device memory (no copy).
+//!
+//! Across ranks (`topology.world_size > 1`), rank `r` trains on GPU `r % local_world_size`:
+//! the tables are sharded by the plan as on CPU ([`trainrec_dist::ShardedEbc`]), each rank's
+//! shards and replicas moved into a `CudaEbc` on its GPU, and the ranks talk through an NCCL
+//! process group ([`trainrec_dist::NcclGroup`], bootstrapped over the thread or MPI group)
+//! used by the same sharding code and dense data parallelism as the CPU engines.
 //!
 //! trainrec links libtorch's CPU libraries (the `.libtorch/` install has no CUDA half), so the
 //! `trainrec` binary opens `libtorch_cuda.so` from the library path when it starts
@@ -42,6 +48,15 @@ impl Target {
         }
     }
 
+    /// The GPU (`None` on the emulator).
+    pub(crate) fn gpu(self) -> Option<usize> {
+        match self {
+            Self::Gpu(n) => Some(n),
+            #[cfg(feature = "cuda-emulator")]
+            Self::Emulator => None,
+        }
+    }
+
     /// The job's tables, from the CPU collection's initial values.
     pub(crate) fn collection(
         self,
@@ -55,20 +70,12 @@ impl Target {
     }
 }
 
-/// Checks that this job can run on GPU 0 and makes libtorch's CUDA backend available.
-pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> Result<Target, EngineError> {
+/// Checks that rank `rank` of this job can run on its GPU (`rank % local_world_size`) and
+/// makes libtorch's CUDA backend available.
+pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, rank: usize) -> Result<Target, EngineError> {
     let key = KeyPath::root().key("topology").key("compute_device");
-    if ranks > 1 || recipe.topology.world_size > 1 {
-        return Err(diagnostic(
-            loaded,
-            KeyPath::root().key("topology").key("world_size"),
-            format!(
-                "a CUDA job trains on one GPU for now; this recipe asks for {} ranks",
-                recipe.topology.world_size.max(ranks)
-            ),
-            "set topology.world_size = 1, or train across ranks on CPU (topology.compute_device = \"cpu\")",
-        ));
-    }
+    let topo = &recipe.topology;
+    let per_host = topo.local_world_size.unwrap_or(topo.world_size).max(1);
     if let Some(i) = recipe.tables.iter().position(|t| t.mc.is_some()) {
         return Err(diagnostic(
             loaded,
@@ -84,6 +91,25 @@ pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> R
     }
     let help = "run on a machine with an NVIDIA GPU and its driver, or set topology.compute_device = \"cpu\"";
     let info = trainrec_cuda::probe(0).map_err(|e| diagnostic(loaded, key.clone(), e.to_string(), help))?;
+    if per_host > info.devices {
+        // Every rank of a host sees this alike, so all stop here, none waiting for the others.
+        let at = if topo.local_world_size.is_some() { "local_world_size" } else { "world_size" };
+        return Err(diagnostic(
+            loaded,
+            KeyPath::root().key("topology").key(at),
+            format!(
+                "{per_host} ranks per host train on one GPU each, but the CUDA driver sees {} GPU(s) here",
+                info.devices
+            ),
+            "set topology.world_size (or topology.local_world_size, ranks per host) to at most the host's GPU count",
+        ));
+    }
+    let gpu = rank % per_host;
+    let info = if gpu == 0 {
+        info
+    } else {
+        trainrec_cuda::probe(gpu).map_err(|e| diagnostic(loaded, key.clone(), e.to_string(), help))?
+    };
     load_torch_cuda().map_err(|m| {
         diagnostic(
             loaded,
@@ -93,8 +119,8 @@ pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, ranks: usize) -> R
              shows how",
         )
     })?;
-    tracing::info!(gpu = %info.name, "training on CUDA");
-    Ok(Target::Gpu(0))
+    tracing::info!(rank, gpu, name = %info.name, "training on CUDA");
+    Ok(Target::Gpu(gpu))
 }
 
 /// What [`preload_torch_cuda`] found (`Err`: why libtorch_cuda.so could not be opened).
@@ -137,4 +163,24 @@ fn load_torch_cuda() -> Result<(), String> {
                   was first asked about CUDA? the trainrec binary loads it at start)"
             .into()),
     }
+}
+
+/// This rank's NCCL process group on GPU `gpu`, bootstrapped over `bootstrap` (collective).
+/// A machine without NCCL is a recipe error at `topology.compute_device` on every rank.
+pub(crate) fn nccl_group(
+    bootstrap: &dyn trainrec_dist::ProcessGroup,
+    gpu: usize,
+    loaded: &LoadedRecipe,
+) -> Result<std::sync::Arc<dyn trainrec_dist::ProcessGroup>, EngineError> {
+    let group = trainrec_dist::NcclGroup::new(bootstrap, gpu, crate::dist::COLLECTIVE_TIMEOUT).map_err(|e| {
+        diagnostic(
+            loaded,
+            KeyPath::root().key("topology").key("compute_device"),
+            format!("CUDA ranks talk through NCCL: {e}"),
+            "install NCCL (PyPI's nvidia-nccl-cu13 wheel: link libnccl.so to its libnccl.so.2 and put its folder on \
+             LD_LIBRARY_PATH), or train with topology.world_size = 1",
+        )
+    })?;
+    tracing::info!(rank = bootstrap.rank(), gpu, "NCCL process group");
+    Ok(std::sync::Arc::new(group))
 }

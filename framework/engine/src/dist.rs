@@ -42,7 +42,7 @@ pub(crate) enum SparseArch {
 
 /// Where the tensors a CUDA collection reads and writes live: its GPU, or host memory on the
 /// emulator.
-fn cuda_tensor_device(gpu: &trainrec_cuda::CudaEbc) -> tch::Device {
+pub(crate) fn cuda_tensor_device(gpu: &trainrec_cuda::CudaEbc) -> tch::Device {
     if gpu.on_gpu() { tch::Device::Cuda(gpu.info().device) } else { tch::Device::Cpu }
 }
 
@@ -126,12 +126,9 @@ impl SparseArch {
     /// `cache/<table>/{hit_rate,misses,evictions,loaded_mib}`, cumulative.
     pub(crate) fn cache_metric_values(&self) -> BTreeMap<String, f64> {
         let mut out = BTreeMap::new();
-        let ebc = match self {
-            Self::Local(ebc) => ebc.as_ref(),
-            Self::Sharded(s) => match s.local() {
-                Some(local) => local,
-                None => return out,
-            },
+        let engines: Vec<&dyn trainrec_dist::ShardEngine> = match self {
+            Self::Local(ebc) => vec![ebc.as_ref()],
+            Self::Sharded(s) => s.local().into_iter().chain(s.replicas()).collect(),
             Self::Quantized(_) => return out,
             Self::Cuda(gpu) => {
                 for t in &gpu.layout().tables {
@@ -142,9 +139,11 @@ impl SparseArch {
                 return out;
             }
         };
-        for t in ebc.table_configs() {
-            if let Some(s) = ebc.cache_stats(&t.name) {
-                cache_values(&mut out, &t.name, &s);
+        for engine in engines {
+            for name in engine.table_names() {
+                if let Some(s) = engine.cache_stats(&name) {
+                    cache_values(&mut out, &name, &s);
+                }
             }
         }
         out

@@ -78,8 +78,9 @@ pub struct Job {
     base_dir: PathBuf,
     /// The checkpoint [`Job::run`] resumes from.
     resume: Option<crate::checkpoint::Checkpoint>,
-    /// Sharded jobs in a pipeline that reads ahead: the next batch after its input dist.
-    staged: Option<trainrec_dist::InputDist>,
+    /// A pipeline that reads ahead: the next batch after its input dist (sharded jobs), or
+    /// copied to the GPU (one-GPU jobs).
+    staged: Option<Ahead>,
     /// The last sharded step's phase times (its input dist's wherever it ran).
     last_times: Option<trainrec_dist::StepTimes>,
 }
@@ -249,8 +250,9 @@ impl Job {
         }
         let topo = &recipe.topology;
         let ranks = pg.as_ref().map_or(1, |g| g.world_size());
+        let rank = pg.as_ref().map_or(0, |g| g.rank());
         let cuda = match topo.compute_device {
-            trainrec_planner::ComputeDevice::Cuda => Some(crate::cuda::prepare(&recipe, loaded, ranks)?),
+            trainrec_planner::ComputeDevice::Cuda => Some(crate::cuda::prepare(&recipe, loaded, rank)?),
             trainrec_planner::ComputeDevice::Cpu => None,
         };
         let device = cuda.map_or(Device::Cpu, |c| c.dense_device());
@@ -317,7 +319,24 @@ impl Job {
         );
         let (mut sparse, sync) = match pg {
             Some(pg) => {
-                let sharded = crate::dist::sharded_ebc(&recipe, &plan, pg.clone())?;
+                // On GPUs the ranks talk through NCCL, bootstrapped over the group they start with.
+                let pg = match cuda.and_then(|c| c.gpu()) {
+                    Some(gpu) => crate::cuda::nccl_group(pg.as_ref(), gpu, loaded)?,
+                    None => pg,
+                };
+                let mut sharded = crate::dist::sharded_ebc(&recipe, &plan, pg.clone())?;
+                if let Some(target) = cuda {
+                    // Each rank's shards and replicas start from the CPU collection's values,
+                    // then live on its GPU.
+                    let bounds = recipe.embedding.bounds_check;
+                    sharded.move_shards(|cpu| {
+                        let mut gpu =
+                            target.collection(cpu).map_err(|e| trainrec_dist::DistError::Module(e.to_string()))?;
+                        gpu.set_bounds_check(bounds);
+                        Ok(Box::new(gpu) as Box<dyn trainrec_dist::ShardEngine>)
+                    })?;
+                    tracing::info!(rank = pg.rank(), gpu = ?target.gpu(), "this rank's shards in the CUDA engine");
+                }
                 (
                     SparseArch::Sharded(Box::new(sharded)),
                     Some(DataParallel::new(
@@ -379,7 +398,7 @@ impl Job {
     fn tensors(
         &self,
         batch: &Batch,
-        staged: Option<trainrec_dist::InputDist>,
+        staged: Option<Ahead>,
     ) -> Result<(Tensor, Tensor, Tensor, Option<DistContext>), EngineError> {
         let b = batch.batch_size as i64;
         if batch.dense.len() != batch.batch_size * self.num_dense
@@ -400,10 +419,38 @@ impl Job {
             }));
         }
         let device = self.vs.device();
-        let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?.to_device(device);
-        let (sparse, ctx) = self.sparse.forward(&batch.sparse, staged)?;
+        let (dense, sparse, labels, ctx) = match (&self.sparse, staged) {
+            (SparseArch::Cuda(gpu), staged) => {
+                let staged = match staged {
+                    Some(Ahead::Gpu(s)) => Some(s),
+                    Some(Ahead::Dist(_)) => {
+                        return Err(EngineError::Internal(
+                            "a one-GPU job was given a sharded batch's input dist".into(),
+                        ));
+                    }
+                    None => None,
+                };
+                let (dense, sparse, labels) = self.cuda_tensors(gpu, batch, staged)?;
+                (dense, sparse, labels, None)
+            }
+            (_, staged) => {
+                let staged = match staged {
+                    Some(Ahead::Dist(d)) => Some(*d),
+                    Some(Ahead::Gpu(_)) => {
+                        return Err(EngineError::Internal("a batch staged on a GPU reached a CPU lookup".into()));
+                    }
+                    None => None,
+                };
+                let dense = Tensor::from_slice(&batch.dense).f_view([b, self.num_dense as i64])?.to_device(device);
+                let (sparse, ctx) = self.sparse.forward(&batch.sparse, staged)?;
+                // A sharded lookup's output comes to the host (the output dist's); the dense
+                // model's device, when that is a GPU.
+                let sparse = sparse.to_device(device);
+                let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?.to_device(device);
+                (dense, sparse, labels, ctx)
+            }
+        };
         // [batch, tasks]: each task's label column (all columns, in order, need no selection).
-        let labels = Tensor::from_slice(&batch.labels).f_view([b, self.num_labels as i64])?.to_device(device);
         let identity = self.tasks.len() == self.num_labels && self.tasks.iter().enumerate().all(|(t, &(_, c))| t == c);
         let labels = if identity {
             labels
@@ -412,6 +459,47 @@ impl Job {
             labels.f_index_select(1, &Tensor::from_slice(&columns).to_device(device))?
         };
         Ok((dense, sparse, labels, ctx))
+    }
+
+    /// A one-GPU job's dense features, pooled embeddings and labels on the GPU: the batch's
+    /// ids, dense features and labels copied on the high-priority copy stream (`staged`: by
+    /// the pipeline's stage while the previous batch trained; else now, the `base` pipeline's
+    /// copy stage), the lookups reading the ids there.
+    fn cuda_tensors(
+        &self,
+        gpu: &trainrec_cuda::CudaEbc,
+        batch: &Batch,
+        staged: Option<trainrec_cuda::StagedBatch>,
+    ) -> Result<(Tensor, Tensor, Tensor), EngineError> {
+        let kjt = crate::dist::full_batch(&batch.sparse)?;
+        let staged = match staged {
+            Some(s) => s,
+            None => stage_on_gpu(gpu, batch, &kjt)?,
+        };
+        let dev = crate::dist::cuda_tensor_device(gpu);
+        let (b, nd, nl, w) =
+            (batch.batch_size as i64, self.num_dense as i64, self.num_labels as i64, gpu.width() as i64);
+        let parts = staged.parts()?;
+        // SAFETY: `parts` are the staged copies of `batch.dense` ([b, nd] floats) and
+        // `batch.labels` ([b, nl] floats) in the GPU's memory (host memory on the emulator),
+        // valid while `staged` lives; the default stream waits for their copy (`parts`), and
+        // each view is copied into a tensor of libtorch's own on that stream before `staged`
+        // is dropped (which frees the slot only once the stream is past these copies).
+        let (dense, labels) = unsafe {
+            (
+                Tensor::from_blob(parts[0] as *const u8, &[b, nd], &[], Kind::Float, dev).copy(),
+                Tensor::from_blob(parts[1] as *const u8, &[b, nl], &[], Kind::Float, dev).copy(),
+            )
+        };
+        let sparse = Tensor::empty([b, w], (Kind::Float, dev));
+        if b * w > 0 {
+            // SAFETY: `sparse` is a new contiguous float tensor of b * w elements on the
+            // collection's GPU; the kernels run on the default stream, before libtorch's later
+            // work on it.
+            unsafe { gpu.forward_staged_into_raw(&kjt, &staged, sparse.data_ptr() as u64)? };
+        }
+        drop(staged);
+        Ok((dense, sparse, labels))
     }
 
     /// One training step; returns the batch's loss: the sum over tasks of the mean binary
@@ -446,6 +534,26 @@ impl Job {
             Some(sync) => sync.all_have(has),
             None => Ok(has),
         }
+    }
+
+    /// The cache counters of every rank's cached tables (collective across ranks): a shard's
+    /// name is unique to its rank, so rank 0 writes every cached shard's counters.
+    fn cache_values_of_all_ranks(&self) -> Result<BTreeMap<String, f64>, EngineError> {
+        let mine = self.sparse.cache_metric_values();
+        let Some(sync) = &self.sync else { return Ok(mine) };
+        use trainrec_dist::ProcessGroupExt;
+        let bytes = serde_json::to_vec(&mine).map_err(|e| EngineError::Internal(format!("cache counters: {e}")))?;
+        let counts: Vec<usize> = sync.pg.all_gather_u64(bytes.len() as u64)?.into_iter().map(|n| n as usize).collect();
+        let all = sync.pg.all_gather_v(&bytes, &counts)?;
+        let mut out = BTreeMap::new();
+        let mut at = 0;
+        for n in counts {
+            let part: BTreeMap<String, f64> = serde_json::from_slice(&all[at..at + n])
+                .map_err(|e| EngineError::Internal(format!("cache counters from another rank: {e}")))?;
+            out.extend(part);
+            at += n;
+        }
+        Ok(out)
     }
 
     /// The cumulative cache counters of the cached tables, by table.
@@ -485,7 +593,7 @@ impl Job {
         // Managed-collision jobs run the base pipeline: nothing is staged ahead for them.
         let staged = match self.staged.take() {
             Some(st) => Some(st),
-            None => self.mc.stage_train(&mut self.sparse, &batch.sparse)?,
+            None => self.mc.stage_train(&mut self.sparse, &batch.sparse)?.map(|d| Ahead::Dist(Box::new(d))),
         };
         let (dense, sparse, labels, ctx) = self.tensors(batch, staged)?;
         let sparse = sparse.set_requires_grad(true);
@@ -499,7 +607,7 @@ impl Job {
         let prefetch = self.recipe.pipeline.kind == trainrec_recipe::PipelineKind::PrefetchSparseDist;
         let stage = match (ahead, &mut self.sparse) {
             (Some(next), SparseArch::Local(ebc)) if prefetch => Some(Stage::Prefetch(next, ebc.as_mut())),
-            (Some(next), SparseArch::Cuda(gpu)) if prefetch => Some(Stage::PrefetchCuda(next, gpu.as_mut())),
+            (Some(next), SparseArch::Cuda(gpu)) => Some(Stage::Cuda(next, gpu.as_mut(), prefetch)),
             (Some(next), SparseArch::Sharded(s)) => Some(Stage::InputDist(next, s.as_mut(), prefetch)),
             _ => None,
         };
@@ -540,25 +648,50 @@ impl Job {
     }
 }
 
+/// A batch a pipeline staged ahead of its step.
+pub(crate) enum Ahead {
+    /// A sharded job's: its input dist.
+    Dist(Box<trainrec_dist::InputDist>),
+    /// A one-GPU job's: its ids, dense features and labels copied to the GPU.
+    Gpu(trainrec_cuda::StagedBatch),
+}
+
+/// Copies a batch's ids (`kjt`, the batch's full sparse features), dense features and labels
+/// to the GPU on its copy stream.
+fn stage_on_gpu(
+    gpu: &trainrec_cuda::CudaEbc,
+    batch: &Batch,
+    kjt: &trainrec_sparse::KeyedJaggedTensor,
+) -> Result<trainrec_cuda::StagedBatch, EngineError> {
+    Ok(gpu.stage(kjt, &[bytemuck::cast_slice(&batch.dense), bytemuck::cast_slice(&batch.labels)])?)
+}
+
 /// What the pipeline's second thread does for the next batch while this one's dense part
 /// runs.
 enum Stage<'a> {
     /// One rank: load the batch's rows into the caches of cached tables.
     Prefetch(&'a Batch, &'a mut EmbeddingBagCollection),
-    /// One GPU: the batch's rows into the GPU caches of cached tables.
-    PrefetchCuda(&'a Batch, &'a mut trainrec_cuda::CudaEbc),
+    /// One GPU: the batch copied to the GPU on the copy stream, then (with `true`) its rows
+    /// into the GPU caches of cached tables.
+    Cuda(&'a Batch, &'a mut trainrec_cuda::CudaEbc, bool),
     /// Sharded: the batch's input dist, then (with `true`) its rows into the shards' caches.
     InputDist(&'a Batch, &'a mut trainrec_dist::ShardedEbc, bool),
 }
 
 impl Stage<'_> {
-    fn run(self) -> Result<Option<trainrec_dist::InputDist>, EngineError> {
+    fn run(self) -> Result<Option<Ahead>, EngineError> {
         match self {
-            Self::PrefetchCuda(next, gpu) => {
-                let _span = tracing::debug_span!("prefetch").entered();
+            Self::Cuda(next, gpu, prefetch) => {
                 let kjt = crate::dist::full_batch(&next.sparse)?;
-                gpu.prefetch(&kjt)?;
-                Ok(None)
+                let staged = {
+                    let _span = tracing::debug_span!("copy").entered();
+                    stage_on_gpu(gpu, next, &kjt)?
+                };
+                if prefetch {
+                    let _span = tracing::debug_span!("prefetch").entered();
+                    gpu.prefetch(&kjt)?;
+                }
+                Ok(Some(Ahead::Gpu(staged)))
             }
             Self::Prefetch(next, ebc) => {
                 let _span = tracing::debug_span!("prefetch").entered();
@@ -575,7 +708,7 @@ impl Stage<'_> {
                     let _span = tracing::debug_span!("prefetch").entered();
                     s.prefetch(&staged)?;
                 }
-                Ok(Some(staged))
+                Ok(Some(Ahead::Dist(Box::new(staged))))
             }
         }
     }
@@ -691,7 +824,7 @@ impl Job {
                 self.mc.eval(&mut b.sparse)?;
                 b
             };
-            let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
+            let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?.map(|d| Ahead::Dist(Box::new(d)));
             let (dense, sparse, labels, _) = self.tensors(&batch, staged)?;
             let probs = tch::no_grad(|| {
                 self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float).to_device(Device::Cpu)
@@ -792,6 +925,7 @@ impl Job {
             let kjt = trainrec_sparse::KeyedJaggedTensor::new(keys.clone(), values, None, lengths, n)
                 .map_err(|e| EngineError::Data(e.into()))?;
             let (sparse, _) = self.sparse.forward(&kjt, None)?;
+            let sparse = sparse.to_device(self.vs.device());
             parts.push(tch::no_grad(|| retrieval.candidate_embeddings(&sparse)));
             start += n as u64;
         }
@@ -1065,7 +1199,7 @@ impl Job {
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
                     values.extend(self.mc.metric_values(self.sync.as_ref().map(|s| s.pg.as_ref()))?);
-                    values.extend(self.sparse.cache_metric_values());
+                    values.extend(self.cache_values_of_all_ranks()?);
                     train_values.extend(values);
                 }
                 p.set_window(window);

@@ -111,9 +111,10 @@ pub struct TopologySection {
     #[serde(default)]
     pub local_world_size: Option<usize>,
     /// Device running the job: `cpu` (tables in DDR), or `cuda`: the dense model and the tables
-    /// on GPU 0 (HBM), trainrec's CUDA kernels; one rank for now, and it needs an NVIDIA GPU, its
-    /// driver, NVRTC and a CUDA build of libtorch 2.11 on the library path (see the GPUs
-    /// chapter). `trainrec plan` plans for `cuda` at any world size.
+    /// on the GPU (HBM), trainrec's CUDA kernels; rank `r` on GPU `r % local_world_size`, the
+    /// ranks talking through NCCL. It needs an NVIDIA GPU per rank of a host, its driver, NVRTC,
+    /// a CUDA build of libtorch 2.11 on the library path, and NCCL for several ranks (see the
+    /// GPUs chapter).
     #[serde(default)]
     pub compute_device: ComputeDevice,
     /// Device memory per rank, GiB. Default: 32 on `cuda`, 0 on `cpu`.

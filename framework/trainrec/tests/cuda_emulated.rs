@@ -48,6 +48,19 @@ fn metrics(out: &Path) -> Vec<String> {
     std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(String::from).collect()
 }
 
+/// The metrics without the cache counters (they count differently on the GPU, whose lookups
+/// load their rows).
+fn without_cache(out: &Path) -> Vec<serde_json::Value> {
+    metrics(out)
+        .iter()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("cache/"));
+            v
+        })
+        .collect()
+}
+
 fn exported(out: &Path, emulated: bool) -> Vec<(String, Vec<u8>)> {
     let file = out.join("model.safetensors");
     run(&["export".into(), out.display().to_string(), "--out".into(), file.display().to_string()], emulated);
@@ -110,20 +123,43 @@ fn cached_tables_on_the_emulated_gpu_train_like_the_cpu_cache() {
     run(&[recipe(), b].concat(), false);
     // Losses and eval metrics alike; the caches' counters differ (the GPU's lookups load their
     // rows, the CPU's prefetch pipeline loads them ahead).
-    let without_cache = |out: &Path| -> Vec<serde_json::Value> {
-        metrics(out)
-            .iter()
-            .map(|l| {
-                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-                v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("cache/"));
-                v
-            })
-            .collect()
-    };
     let m = metrics(&gpu);
     assert!(m.iter().filter(|l| l.contains("\"eval\"")).count() == 2, "{m:?}");
     let last_train: serde_json::Value = serde_json::from_str(m.iter().rfind(|l| l.contains("train")).unwrap()).unwrap();
     assert!(last_train["metrics"]["cache/t_C1/evictions"].as_f64().unwrap() > 0.0, "{last_train}");
+    assert_eq!(without_cache(&gpu), without_cache(&cpu));
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn two_cuda_ranks_on_the_emulator_train_checkpoint_and_resume_like_two_cpu_ranks() {
+    // Two ranks, the tables sharded every way (table-, row-, column-, table-row-wise,
+    // data-parallel, one cached) under the prefetch pipeline: each rank's shards and replicas
+    // in an emulated CUDA collection, the sharding code and its collectives those of CPU.
+    let base = std::env::temp_dir().join(format!("trainrec-cuda-emu-2ranks-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (gpu, cpu) = (base.join("cuda"), base.join("cpu"));
+    let recipe = || vec!["run".to_string(), "recipes/gpu/dlrm_cuda_2gpu.toml".into()];
+    let log = run(&[recipe(), settings(&gpu, "cuda", 20)].concat(), true);
+    assert_eq!(log.matches("this rank's shards in the CUDA engine").count(), 2, "{log}");
+    run(&[recipe(), settings(&cpu, "cpu", 20)].concat(), false);
+    let m = metrics(&gpu);
+    assert!(m.iter().filter(|l| l.contains("\"eval\"")).count() == 2, "{m:?}");
+    // t_C8's one shard is on rank 1: rank 0 writes its counters too.
+    assert!(m.iter().any(|l| l.contains("cache/t_C8/shard0/misses")), "{m:?}");
+    assert_eq!(without_cache(&gpu), without_cache(&cpu), "two CUDA ranks' losses and eval metrics are two CPU ranks'");
+    let (a, b) = (exported(&gpu, true), exported(&cpu, false));
+    assert!(a.len() >= 8, "{:?}", a.iter().map(|t| &t.0).collect::<Vec<_>>());
+    assert!(a == b, "exported tensors differ");
+    // Resumed: each rank's shards loaded into its CUDA collection from the checkpoint.
+    for (out, emulated) in [(&gpu, true), (&cpu, false)] {
+        run(
+            &["run".into(), "--resume".into(), out.display().to_string(), "--set".into(), "train.steps=30".into()],
+            emulated,
+        );
+    }
+    let m = metrics(&gpu);
+    assert!(m.last().unwrap().contains("\"step\":30"), "{m:?}");
     assert_eq!(without_cache(&gpu), without_cache(&cpu));
     std::fs::remove_dir_all(&base).unwrap();
 }
