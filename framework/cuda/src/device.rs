@@ -6,7 +6,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::CudaContext;
 use trainrec_embedding::{
-    BoundsCheckMode, EmbeddingBagCollection, EmbeddingError, PoolingMode, RowCache, SlotStore, WeightPrecision,
+    BoundsCheckMode, EmbeddingBagCollection, EmbeddingError, PoolingMode, RowBlock, RowCache, SlotStore,
+    WeightPrecision,
 };
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -898,6 +899,65 @@ impl CudaEbc {
         };
         write_table(t, &self.backend, weights, state)?;
         t.iter = steps;
+        Ok(())
+    }
+
+    /// Re-initialises rows `rows` of table `name` as the CPU collection's
+    /// [`EmbeddingBagCollection::reset_rows`] does (`block`: `None`), or as its
+    /// [`EmbeddingBagCollection::reset_block_rows`] for a table that is a shard `block` of a
+    /// larger table of that many rows: the same values (rounded to nearest in the table's
+    /// precision), optimizer state zero. Managed collisions reset the rows whose slot changed
+    /// hands this way. A cached table's resident rows change in their slots (dirty), the
+    /// others in host memory.
+    pub fn reset_rows(
+        &mut self,
+        name: &str,
+        rows: &[u64],
+        key: u64,
+        block: Option<(&RowBlock, u64)>,
+    ) -> Result<(), CudaError> {
+        let i = self.index(name)?;
+        let t = self.tables[i].get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (n, dim) = (t.spec.rows, t.spec.dim);
+        let whole = RowBlock { row_offset: 0, cols: 0..dim, full_dim: dim };
+        let (block, table_rows) = block.unwrap_or((&whole, n));
+        if let Some(r) = rows.iter().find(|&&r| r >= n) {
+            return Err(CudaError::Unsupported(format!("table \"{name}\" has {n} rows, cannot reset row {r}")));
+        }
+        if block.cols.len() != dim || block.cols.end > block.full_dim {
+            return Err(CudaError::Unsupported(format!(
+                "table \"{name}\" is {dim} wide but its block says columns {:?} of {}",
+                block.cols, block.full_dim
+            )));
+        }
+        // Each row once (the last write of a repeated row would win anyway: the same values).
+        let mut rows = rows.to_vec();
+        rows.sort_unstable();
+        rows.dedup();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let values = trainrec_embedding::reset_values(key, table_rows, block, &rows);
+        let weights = host::stored_bytes(&host::to_stored(t.spec.precision, &values));
+        let state = vec![0f32; rows.len() * t.spec.state_per_row];
+        let slots = |rows: &[u64]| -> Result<Vec<u32>, CudaError> {
+            rows.iter()
+                .map(|&r| {
+                    u32::try_from(r)
+                        .map_err(|_| CudaError::Unsupported(format!("table \"{name}\": row {r} is past 2^32")))
+                })
+                .collect()
+        };
+        let be = &self.backend;
+        if t.cache.is_some() {
+            let (mut store, cache) = t.slot_writer(be);
+            cache.write_rows(&mut store, &slots(&rows)?, &weights, &state)?;
+        } else {
+            // An uncached table's rows are the slots.
+            let (w, s) = (t.weights_addr_mut(be), be.addr_mut(&mut t.state, 0));
+            let mut store = DeviceSlots { be, weights: w, state: s, wbytes: t.wbytes(), spr: t.spec.state_per_row };
+            store.write_slots(&slots(&rows)?, &weights, &state)?;
+        }
         Ok(())
     }
 

@@ -103,10 +103,8 @@ impl ShardEngine for CudaEbc {
         self.load_table(name, &weights, &state, steps).map_err(dist)
     }
 
-    fn reset_rows(&mut self, name: &str, _rows: &[u64], _key: u64) -> Result<(), DistError> {
-        Err(DistError::Module(format!(
-            "table \"{name}\": resetting rows (managed collisions) does not run on CUDA; train it on CPU"
-        )))
+    fn reset_rows(&mut self, name: &str, rows: &[u64], key: u64) -> Result<(), DistError> {
+        CudaEbc::reset_rows(self, name, rows, key, None).map_err(dist)
     }
 
     fn reset_block_rows(
@@ -114,9 +112,9 @@ impl ShardEngine for CudaEbc {
         name: &str,
         rows: &[u64],
         key: u64,
-        _block: &RowBlock,
-        _table_rows: u64,
+        block: &RowBlock,
+        table_rows: u64,
     ) -> Result<(), DistError> {
-        ShardEngine::reset_rows(self, name, rows, key)
+        CudaEbc::reset_rows(self, name, rows, key, Some((block, table_rows))).map_err(dist)
     }
 }

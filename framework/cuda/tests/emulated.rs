@@ -223,6 +223,85 @@ fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn reset_rows_give_the_cpu_collections_values_in_memory_and_in_the_cache() {
+    // Managed collisions' resets after two steps: plain tables (fp32, bf16) and cached ones
+    // (fp32 LRU, fp16 LFU; table b's 30 rows behind 26 slots, so some reset rows are resident
+    // and some only in host memory), whole tables and a block of a larger one; then a step
+    // more, which reads the reset rows (and writes back the dirty resident ones).
+    use rand::SeedableRng;
+    use trainrec_embedding::{CachePolicy, RowBlock};
+    let dir = std::env::temp_dir().join(format!("trainrec-cuda-reset-{}", std::process::id()));
+    let rowwise = SparseOptimizerConfig::RowwiseAdagrad {
+        lr: 0.2,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        weight_decay_mode: trainrec_embedding::WeightDecayMode::None,
+    };
+    for (precision, cache) in [
+        (WeightPrecision::Fp32, None),
+        (WeightPrecision::Bf16, None),
+        (WeightPrecision::Fp32, Some(CachePolicy::Lru)),
+        (WeightPrecision::Fp16, Some(CachePolicy::Lfu)),
+    ] {
+        let case =
+            check::Case { optimizer: rowwise.clone(), precision, mean: false, weighted: true, stochastic: false };
+        let what = format!("{precision:?} {cache:?}");
+        let mut cpu = match cache {
+            None => check::collection(&case),
+            Some(policy) => cached_collection(&case, 26, policy, &dir),
+        };
+        let mut gpu = CudaEbc::emulated(&cpu).unwrap();
+        gpu.set_bounds_check(BoundsCheckMode::Ignore);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut step = |cpu: &mut trainrec_embedding::EmbeddingBagCollection, gpu: &mut CudaEbc, s: usize| {
+            let kjt = check::batch(&mut rng, true, s);
+            let grad = check::gradient(&mut rng, &kjt, cpu.width());
+            let want = cpu.forward(&kjt).unwrap();
+            let got = gpu.download(&gpu.forward(&kjt).unwrap()).unwrap();
+            assert_eq!(&got[..want.values().len()], want.values(), "{what}: forward of step {s}");
+            cpu.backward_and_update(&kjt, &grad).unwrap();
+            gpu.backward_and_update(&kjt, &gpu.upload(&grad).unwrap()).unwrap();
+        };
+        step(&mut cpu, &mut gpu, 0);
+        step(&mut cpu, &mut gpu, 1);
+        let before = gpu.table_weights("b").unwrap();
+        // Rows listed twice and out of order, as a remap may give them.
+        let rows = [3u64, 29, 0, 29, 17, 8];
+        cpu.reset_rows("b", &rows, 41).unwrap();
+        gpu.reset_rows("b", &rows, 41, None).unwrap();
+        let block = RowBlock { row_offset: 5, cols: 10..80, full_dim: 100 };
+        cpu.reset_block_rows("c", &[16, 2], 42, &block, 50).unwrap();
+        gpu.reset_rows("c", &[16, 2], 42, Some((&block, 50))).unwrap();
+        let after = gpu.table_weights("b").unwrap();
+        assert_ne!(before[29 * 40..30 * 40], after[29 * 40..30 * 40], "{what}: row 29 is redrawn");
+        assert_eq!(before[40..80], after[40..80], "{what}: row 1 untouched");
+        for t in ["a", "b", "c"] {
+            assert_eq!(gpu.table_weights(t).unwrap(), cpu.table_weights(t).unwrap(), "{what}: {t} after the reset");
+            assert_eq!(gpu.optimizer_state(t).unwrap(), cpu.optimizer_state(t).unwrap(), "{what}: {t}'s state");
+        }
+        // Steps that read the reset rows, evict them (written back) and load them again.
+        for s in 2..8 {
+            step(&mut cpu, &mut gpu, s % check::STEPS);
+            for t in ["a", "b", "c"] {
+                assert_eq!(gpu.table_weights(t).unwrap(), cpu.table_weights(t).unwrap(), "{what}: {t} at step {s}");
+                assert_eq!(gpu.optimizer_state(t).unwrap(), cpu.optimizer_state(t).unwrap(), "{what}: {t}'s state");
+            }
+        }
+        if cache.is_some() {
+            assert!(gpu.cache_stats("b").unwrap().writebacks > 0, "{what}");
+        }
+        // Bad rows and blocks are errors naming the table; nothing changes.
+        let e = gpu.reset_rows("b", &[2, 30], 1, None).unwrap_err().to_string();
+        assert!(e.contains("table \"b\" has 30 rows, cannot reset row 30"), "{e}");
+        let narrow = RowBlock { row_offset: 0, cols: 0..8, full_dim: 8 };
+        let e = gpu.reset_rows("c", &[1], 1, Some((&narrow, 17))).unwrap_err().to_string();
+        assert!(e.contains("table \"c\" is 70 wide"), "{e}");
+        assert_eq!(gpu.table_weights("b").unwrap(), cpu.table_weights("b").unwrap(), "{what}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Runs every pooled case of the sharding conformance kit on `world` thread ranks with each
 /// rank's shards and replicas in an emulated `CudaEbc`; returns how many ran.
 fn sharded_cases_on_the_emulator(world: usize, weighted: bool) -> usize {

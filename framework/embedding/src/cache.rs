@@ -523,6 +523,56 @@ impl RowCache {
         Ok(())
     }
 
+    /// Replaces the records of `rows` (each listed once): weights as stored (bytes, one row
+    /// after another, as [`Self::read_rows`] gives them) and optimizer state (`spr` floats a
+    /// row). Resident rows go to their slots through `store` in one call (then dirty), the
+    /// others to the file.
+    pub fn write_rows(
+        &mut self,
+        store: &mut dyn SlotStore,
+        rows: &[u32],
+        weights: &[u8],
+        state: &[f32],
+    ) -> Result<(), EmbeddingError> {
+        let (wb, spr) = (self.wbytes, self.spr);
+        if weights.len() != rows.len() * wb || state.len() != rows.len() * spr {
+            return Err(EmbeddingError::Shape(format!(
+                "{} rows need {} weight bytes and {} state values, got {} and {}",
+                rows.len(),
+                rows.len() * wb,
+                rows.len() * spr,
+                weights.len(),
+                state.len()
+            )));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| u64::from(r) >= self.rows) {
+            return Err(EmbeddingError::Shape(format!("the table has {} rows, cannot write row {r}", self.rows)));
+        }
+        let (mut slots, mut sw, mut ss) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, &r) in rows.iter().enumerate() {
+            let (w, st) = (&weights[i * wb..][..wb], &state[i * spr..][..spr]);
+            match self.slot(r) {
+                Some(s) => {
+                    slots.push(s);
+                    sw.extend_from_slice(w);
+                    ss.extend_from_slice(st);
+                }
+                None => {
+                    let (wr, sr) = (self.w_range(r), self.s_range(r));
+                    self.file[wr].copy_from_slice(w);
+                    self.file[sr].copy_from_slice(bytes_of(st));
+                }
+            }
+        }
+        if !slots.is_empty() {
+            store.write_slots(&slots, &sw, &ss)?;
+            for &s in &slots {
+                self.dirty[s as usize] = true;
+            }
+        }
+        Ok(())
+    }
+
     /// Row `row`'s weights as fp32 into `out` (`dim` floats), from its slot or the file.
     pub(crate) fn read_row<T: Weight + Pod>(&self, tbe: &Tbe<T>, t: usize, row: u32, out: &mut [f32]) {
         match self.slot(row) {

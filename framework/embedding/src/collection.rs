@@ -314,19 +314,17 @@ impl Core {
                 t.config.dim, block.cols, block.full_dim
             )));
         }
-        let bound = (1.0 / table_rows as f64).sqrt() as f32;
+        let values = crate::tbe::reset_values(key, table_rows, block, rows);
         match &mut self.caches[i] {
             Some(c) => {
                 let zeros = vec![0f32; t.optimizer.state_per_row(t.config.dim)];
-                let mut row = Vec::new();
                 dispatch!(&mut self.groups[t.group], g => {
-                    for &r in rows {
-                        crate::tbe::reset_row_values(key, bound, block, r, &mut row);
-                        c.write_row(g, t.local, r as u32, &row, Some(&zeros));
+                    for (&r, row) in rows.iter().zip(values.chunks_exact(t.config.dim)) {
+                        c.write_row(g, t.local, r as u32, row, Some(&zeros));
                     }
                 })
             }
-            None => dispatch!(&mut self.groups[t.group], g => g.reset_rows(t.local, rows, bound, key, block)),
+            None => dispatch!(&mut self.groups[t.group], g => g.reset_rows(t.local, rows, &values)),
         }
         Ok(())
     }

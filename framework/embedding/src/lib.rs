@@ -35,7 +35,7 @@ pub use ec::{EmbeddingCollection, SequenceEmbeddings};
 pub use optim::{OptimizerKind, StepConstants};
 pub use position::PositionWeightedModule;
 pub use precision::{Weight, rounding_key};
-pub use tbe::{RowBlock, clamp_row};
+pub use tbe::{RowBlock, clamp_row, reset_values};
 
 /// Why an embedding operation failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

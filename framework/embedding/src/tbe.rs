@@ -167,20 +167,14 @@ impl<T: Weight + Pod> Tbe<T> {
         });
     }
 
-    /// Re-initialises rows `rows` of table `t`, a block of a larger table (its rows from
-    /// `row_offset`, its columns `cols` of `full_dim`): each row of the larger table is drawn
-    /// uniform in `±bound` from `key` and the row's index there, and the block keeps its
-    /// columns; optimizer state zero (a managed-collision slot that changed hands).
-    pub(crate) fn reset_rows(&mut self, t: usize, rows: &[u64], bound: f32, key: u64, block: &RowBlock) {
+    /// Replaces rows `rows` of table `t` with `values` (fp32, `[rows.len(), dim]`, rounded to
+    /// nearest), their optimizer state zero (a managed-collision slot that changed hands: see
+    /// [`reset_values`]).
+    pub(crate) fn reset_rows(&mut self, t: usize, rows: &[u64], values: &[f32]) {
         let Slot { dim, w_off, s_off, spr, .. } = self.slots[t];
-        let mut full = vec![0f32; block.full_dim];
-        for &r in rows {
-            let mut rng = init_rng(key, (r + block.row_offset) as usize);
-            full.iter_mut().for_each(|x| *x = init_value(&mut rng, bound));
+        for (&r, v) in rows.iter().zip(values.chunks_exact(dim)) {
             let w = &mut self.weights.as_mut_slice()[w_off + r as usize * dim..][..dim];
-            for (x, &v) in w.iter_mut().zip(&full[block.cols.clone()]) {
-                *x = T::from_f32(v);
-            }
+            w.iter_mut().zip(v).for_each(|(x, &v)| *x = T::from_f32(v));
             self.state.as_mut_slice()[s_off + r as usize * spr..][..spr].fill(0.0);
         }
     }
@@ -582,13 +576,22 @@ fn init_rng(key: u64, block: usize) -> RowRng {
     RowRng::new(key ^ (block as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
-/// The columns `block.cols` of the re-initialised row `r` of a block (see
-/// [`Tbe::reset_rows`]), into `out`.
-pub(crate) fn reset_row_values(key: u64, bound: f32, block: &RowBlock, r: u64, out: &mut Vec<f32>) {
-    let mut rng = init_rng(key, (r + block.row_offset) as usize);
-    let full: Vec<f32> = (0..block.full_dim).map(|_| init_value(&mut rng, bound)).collect();
-    out.clear();
-    out.extend_from_slice(&full[block.cols.clone()]);
+/// The values managed collisions give rows `rows` of a block `block` of a table of
+/// `table_rows` rows when their slots change hands (what
+/// [`EmbeddingBagCollection::reset_block_rows`](crate::EmbeddingBagCollection::reset_block_rows)
+/// writes): each row of the larger table drawn uniform in `±1/sqrt(table_rows)` from `key` and
+/// its index there, the block's columns kept. fp32, `[rows.len(), block.cols.len()]`
+/// row-major; other engines (the CUDA one) reset their rows to these.
+pub fn reset_values(key: u64, table_rows: u64, block: &RowBlock, rows: &[u64]) -> Vec<f32> {
+    let bound = (1.0 / table_rows as f64).sqrt() as f32;
+    let mut full = vec![0f32; block.full_dim];
+    let mut out = Vec::with_capacity(rows.len() * block.cols.len());
+    for &r in rows {
+        let mut rng = init_rng(key, (r + block.row_offset) as usize);
+        full.iter_mut().for_each(|x| *x = init_value(&mut rng, bound));
+        out.extend_from_slice(&full[block.cols.clone()]);
+    }
+    out
 }
 
 /// 24 random bits: uniform on a grid of 2^24 points in `[-bound, bound]`.

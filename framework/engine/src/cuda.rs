@@ -76,14 +76,6 @@ pub(crate) fn prepare(recipe: &Recipe, loaded: &LoadedRecipe, rank: usize) -> Re
     let key = KeyPath::root().key("topology").key("compute_device");
     let topo = &recipe.topology;
     let per_host = topo.local_world_size.unwrap_or(topo.world_size).max(1);
-    if let Some(i) = recipe.tables.iter().position(|t| t.mc.is_some()) {
-        return Err(diagnostic(
-            loaded,
-            KeyPath::root().key("tables").index(i).key("mc"),
-            format!("table \"{}\": managed collisions do not run on CUDA yet", recipe.tables[i].name),
-            "train this recipe with topology.compute_device = \"cpu\"",
-        ));
-    }
     #[cfg(feature = "cuda-emulator")]
     if std::env::var_os("TRAINREC_CUDA_EMULATOR").is_some_and(|v| v == "1") {
         tracing::warn!("TRAINREC_CUDA_EMULATOR=1: the CUDA engine runs emulated on the host (slow; for tests)");

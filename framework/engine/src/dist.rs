@@ -258,9 +258,7 @@ impl SparseArch {
             Self::Local(ebc) => ebc.reset_rows(name, rows, key)?,
             Self::Sharded(s) => s.reset_rows(name, rows, key)?,
             Self::Quantized(_) => return Err(Self::inference_only()),
-            Self::Cuda(_) => {
-                return Err(EngineError::Internal("managed collisions do not run on CUDA (refused at build)".into()));
-            }
+            Self::Cuda(gpu) => gpu.reset_rows(name, rows, key, None)?,
         }
         Ok(())
     }

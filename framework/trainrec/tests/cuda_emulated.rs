@@ -163,3 +163,29 @@ fn two_cuda_ranks_on_the_emulator_train_checkpoint_and_resume_like_two_cpu_ranks
     assert_eq!(without_cache(&gpu), without_cache(&cpu));
     std::fs::remove_dir_all(&base).unwrap();
 }
+
+#[test]
+fn managed_collision_tables_on_the_emulated_gpu_train_like_on_cpu() {
+    // One GPU (a plain fp16 table and a cached one, each remapped, their changed slots reset
+    // in GPU memory or host memory), and two ranks whose row-wise shards reset their blocks'
+    // rows (the owner-rank remap) in each rank's CUDA collection.
+    let base = std::env::temp_dir().join(format!("trainrec-cuda-emu-mc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    for recipe in ["recipes/gpu/dlrm_cuda_mc.toml", "recipes/dist/mc_row_wise_2ranks.toml"] {
+        let (gpu, cpu) = (base.join("cuda"), base.join("cpu"));
+        let run_on = |out: &Path, device: &str, emulated: bool| {
+            let mut a = vec!["run".to_string(), recipe.into()];
+            a.extend(settings(out, device, 40));
+            run(&a, emulated);
+        };
+        run_on(&gpu, "cuda", true);
+        run_on(&cpu, "cpu", false);
+        let m = metrics(&gpu);
+        assert!(m.iter().filter(|l| l.contains("\"eval\"")).count() == 4, "{recipe}: {m:?}");
+        // 40 steps, eviction every 20: slots changed hands and were reset.
+        assert!(m.iter().any(|l| l.contains("mc/t_C1/")), "{recipe}: {m:?}");
+        assert_eq!(without_cache(&gpu), without_cache(&cpu), "{recipe}: losses and eval metrics");
+        assert!(exported(&gpu, true) == exported(&cpu, false), "{recipe}: exported tensors differ");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+}
