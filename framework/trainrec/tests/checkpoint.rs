@@ -208,6 +208,17 @@ fn the_export_loads_into_a_torchrec_ebc() {
         eprintln!("skipping: no TorchRec Python at {} (set TRAINREC_TORCHREC_PYTHON)", python.display());
         return;
     }
+    // The anchors' install.sh does not install safetensors: a venv made by it alone is not
+    // the checker's Python.
+    let probe = Command::new(&python).args(["-c", "import torchrec, safetensors"]).output().expect("python runs");
+    if !probe.status.success() {
+        eprintln!(
+            "skipping: {} cannot import torchrec and safetensors (pip install safetensors there): {}",
+            python.display(),
+            String::from_utf8_lossy(&probe.stderr).lines().last().unwrap_or("")
+        );
+        return;
+    }
     let out = out_dir("export-torchrec");
     assert_eq!(run(1, &out, None).0, Some(0));
     let model = out.join("model.safetensors");
