@@ -16,7 +16,9 @@
 //!   them.
 //!
 //! With `profile`, one more timed pass runs a copy of the train step that times its parts
-//! (`sections_ms`). The headline numbers always come from [`Job::train_step`].
+//! (`sections_ms`), and the step's matrix products are timed alone at its shapes
+//! (`gemm_floor_ms`, see [`gemm_floor`]). The headline numbers always come from
+//! [`Job::train_step`].
 //! `malloc_tuning` (default on) applies [`tune_allocator`] first.
 //!
 //! `cargo test --release -p trainrec-engine --lib bench::tests::w2 -- --ignored --nocapture`
@@ -407,6 +409,70 @@ fn summaries(ts: &[f64], batch: usize) -> (Value, Value, Value) {
     )
 }
 
+/// The matrix products alone of the benchmark's step, at its shapes and threads: each linear
+/// layer's forward (with its bias), and in training its input gradient (not the first layer's:
+/// the dense features need none) and weight gradient, plus the interaction's batched Gram
+/// product and, in training, its gradient (one batched product, as the DLRM computes it).
+/// Medians over `steps` calls after `warmup`, in milliseconds. No fp32 implementation of the
+/// step (trainrec's or TorchRec's, both on MKL) runs faster than their sum; the rest of the
+/// step is embeddings and element-wise work.
+fn gemm_floor(b: &DlrmBench) -> Value {
+    let train = b.mode == DlrmMode::Train;
+    let (batch, n, dim) = (b.batch as i64, b.num_sparse as i64 + 1, b.dim as i64);
+    let opts = (tch::Kind::Float, Device::Cpu);
+    let time = |f: &mut dyn FnMut()| {
+        for _ in 0..b.warmup {
+            f();
+        }
+        let ts: Vec<f64> = (0..b.steps)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        median(&ts) * 1e3
+    };
+    // Each MLP's layers read the previous layer's output; the over arch reads the interaction.
+    let mut shapes = Vec::new();
+    for (mut input, arch) in
+        [(b.num_dense, &b.dense_arch), (b.dim + b.num_sparse * (b.num_sparse + 1) / 2, &b.over_arch)]
+    {
+        for &output in arch {
+            shapes.push((input as i64, output as i64));
+            input = output;
+        }
+    }
+    let (mut forward, mut backward) = (0.0, 0.0);
+    let mut layers = Vec::new();
+    for (i, (input, output)) in shapes.into_iter().enumerate() {
+        let x = Tensor::randn([batch, input], opts);
+        let (w, bias) = (Tensor::randn([output, input], opts), Tensor::randn([output], opts));
+        let g = Tensor::randn([batch, output], opts);
+        let fwd = time(&mut || drop(x.linear(&w, Some(&bias))));
+        let grad_input = if train && i > 0 { time(&mut || drop(g.mm(&w))) } else { 0.0 };
+        let grad_weight = if train { time(&mut || drop(g.tr().mm(&x))) } else { 0.0 };
+        forward += fwd;
+        backward += grad_input + grad_weight;
+        layers.push(json!({
+            "in": input, "out": output, "forward": fwd, "grad_input": grad_input, "grad_weight": grad_weight,
+        }));
+    }
+    let all = Tensor::randn([batch, n, dim], opts);
+    let gram = time(&mut || drop(all.bmm(&all.transpose(1, 2))));
+    let grad_gram = Tensor::randn([batch, n, n], opts);
+    let gram_grad = if train { time(&mut || drop(grad_gram.bmm(&all))) } else { 0.0 };
+    forward += gram;
+    backward += gram_grad;
+    json!({
+        "layers": layers,
+        "interaction": {"gram": gram, "grad": gram_grad},
+        "forward": forward,
+        "backward": backward,
+        "total": forward + backward,
+    })
+}
+
 /// Times `steps` calls of `step` after `warmup` untimed ones; per-step seconds.
 fn time_steps(
     steps: usize,
@@ -536,6 +602,9 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
         vs.trainable_variables().iter().map(Tensor::numel).map(|n| n as i64).sum()
     };
     meta.insert("dense_params".into(), json!(dense_params));
+    if b.profile {
+        meta.insert("gemm_floor_ms".into(), gemm_floor(b));
+    }
     let (step, ms, rate) = summaries(&ts, b.batch);
     let threads = tch::get_num_threads();
     let (others_all, self_all) = busy_cores(c_start, cpu_snapshot());
@@ -633,6 +702,29 @@ mod tests {
             if mode == DlrmMode::Train {
                 assert!(v["meta"]["last_loss"].as_f64().unwrap().is_finite());
             }
+        }
+    }
+
+    #[test]
+    fn the_gemm_floor_times_the_steps_own_layer_shapes() {
+        for mode in [DlrmMode::Train, DlrmMode::Infer] {
+            let b = DlrmBench { mode, profile: true, ..DlrmBench::tiny() };
+            let floor = gemm_floor(&b);
+            // num_dense 13 -> 16 -> 8; the over arch reads d (8) and the 3 * 4 / 2 = 6 pairs
+            // of [d, e_0, e_1, e_2].
+            let shapes: Vec<(u64, u64)> = floor["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| (l["in"].as_u64().unwrap(), l["out"].as_u64().unwrap()))
+                .collect();
+            assert_eq!(shapes, vec![(13, 16), (16, 8), (14, 16), (16, 1)], "{floor}");
+            let (fwd, bwd) = (floor["forward"].as_f64().unwrap(), floor["backward"].as_f64().unwrap());
+            assert!(fwd > 0.0, "{floor}");
+            assert_eq!(floor["total"].as_f64().unwrap(), fwd + bwd);
+            // Inference has no gradients; training's first layer has no input gradient.
+            assert_eq!(bwd > 0.0, mode == DlrmMode::Train, "{floor}");
+            assert_eq!(floor["layers"][0]["grad_input"].as_f64().unwrap(), 0.0);
         }
     }
 

@@ -474,7 +474,8 @@ pub struct DlrmArgs {
     /// Threads (0 = every core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Also time the parts of the train step (`sections_ms`).
+    /// Also time the parts of the train step (`sections_ms`) and the step's matrix products
+    /// alone at its shapes (`gemm_floor_ms`: the floor no fp32 implementation goes below).
     #[arg(long)]
     pub profile: bool,
     /// Leave glibc's allocator at its defaults (no mmap threshold / trim tuning).
