@@ -390,6 +390,7 @@ impl CudaEbc {
                         Weights::F32(backend.zeros::<f32>(slots * spec.dim)?)
                     };
                     let state = backend.zeros::<f32>(slots * spec.state_per_row)?;
+                    let dim = spec.dim;
                     let cache = RowCache::with_precision(
                         spec.precision,
                         &spec.name,
@@ -397,7 +398,7 @@ impl CudaEbc {
                         spec.rows,
                         spec.dim,
                         spec.state_per_row,
-                        |r| vec![0.0; (r.end - r.start) as usize * spec.dim],
+                        move |r| vec![0.0; (r.end - r.start) as usize * dim],
                     )?;
                     let mut t = DeviceTable { spec: spec.clone(), weights, state, iter, cache: Some(cache) };
                     // Nothing is resident yet: this fills the backing file.

@@ -117,13 +117,17 @@ fn cached_collection(
     case: &check::Case,
     slots: u64,
     policy: trainrec_embedding::CachePolicy,
+    backing: trainrec_embedding::CacheBacking,
     dir: &std::path::Path,
 ) -> trainrec_embedding::EmbeddingBagCollection {
     use trainrec_embedding::{CacheConfig, EmbeddingBagCollection};
     let plain = check::collection(case);
     let tables = plain
         .table_configs()
-        .map(|c| c.clone().with_cache(CacheConfig { slots: slots.min(c.rows), policy, dir: dir.to_path_buf() }))
+        .map(|c| {
+            let slots = slots.min(c.rows);
+            c.clone().with_cache(CacheConfig { slots, policy, backing, dir: dir.to_path_buf() })
+        })
         .collect();
     let mut ebc = EmbeddingBagCollection::new(tables, case.optimizer.clone(), 7).unwrap();
     ebc.set_bounds_check(BoundsCheckMode::Ignore);
@@ -133,7 +137,7 @@ fn cached_collection(
 #[test]
 fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
     use rand::SeedableRng;
-    use trainrec_embedding::CachePolicy;
+    use trainrec_embedding::{CacheBacking, CachePolicy};
     let dir = std::env::temp_dir().join(format!("trainrec-cuda-cache-{}", std::process::id()));
     let rowwise = SparseOptimizerConfig::RowwiseAdagrad {
         lr: 0.2,
@@ -141,18 +145,19 @@ fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
         weight_decay: 0.0,
         weight_decay_mode: trainrec_embedding::WeightDecayMode::None,
     };
-    for (precision, policy, optimizer) in [
-        (WeightPrecision::Fp32, CachePolicy::Lru, rowwise.clone()),
-        (WeightPrecision::Fp32, CachePolicy::Lfu, case(WeightPrecision::Fp32).optimizer),
-        (WeightPrecision::Fp16, CachePolicy::Lru, rowwise),
+    for (precision, policy, optimizer, backing) in [
+        (WeightPrecision::Fp32, CachePolicy::Lru, rowwise.clone(), CacheBacking::Rows),
+        (WeightPrecision::Fp32, CachePolicy::Lfu, case(WeightPrecision::Fp32).optimizer, CacheBacking::Rows),
+        (WeightPrecision::Fp16, CachePolicy::Lru, rowwise.clone(), CacheBacking::Rows),
+        (WeightPrecision::Bf16, CachePolicy::Lru, rowwise, CacheBacking::KeyValue),
     ] {
         // Round to nearest: stochastic rounding draws per slot, so only that differs.
         let case = check::Case { optimizer, precision, mean: true, weighted: true, stochastic: false };
-        let what = format!("{precision:?} {policy:?} {:?}", case.optimizer);
+        let what = format!("{precision:?} {policy:?} {backing:?} {:?}", case.optimizer);
         let mut plain = check::collection(&case);
         // 26 slots: table b (30 rows, two features) evicts and writes back rows as batches
         // move over it; a and c fit whole.
-        let mut gpu = CudaEbc::emulated(&cached_collection(&case, 26, policy, &dir)).unwrap();
+        let mut gpu = CudaEbc::emulated(&cached_collection(&case, 26, policy, backing, &dir)).unwrap();
         gpu.set_bounds_check(BoundsCheckMode::Ignore);
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
         for step in 0..6 {
@@ -186,7 +191,8 @@ fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
     // The prefetch pipeline's stage: batch i+1's rows pinned ahead, its update uses those pins.
     let case2 = check::Case { stochastic: false, ..case(WeightPrecision::Fp32) };
     let mut plain = check::collection(&case2);
-    let mut gpu = CudaEbc::emulated(&cached_collection(&case2, 26, CachePolicy::Lfu, &dir)).unwrap();
+    let mut gpu =
+        CudaEbc::emulated(&cached_collection(&case2, 26, CachePolicy::Lfu, CacheBacking::KeyValue, &dir)).unwrap();
     gpu.set_bounds_check(BoundsCheckMode::Ignore);
     let mut rng = rand::rngs::StdRng::seed_from_u64(4);
     let batches: Vec<_> = (0..3).map(|s| check::batch(&mut rng, true, s)).collect();
@@ -211,7 +217,9 @@ fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
     // A batch with more distinct rows than the cache has slots: its lookup reads them without
     // caching them (an eval batch); its update is an error naming the table.
     let case = check::Case { stochastic: false, ..case(WeightPrecision::Fp32) };
-    let mut gpu = CudaEbc::emulated(&cached_collection(&case, 2, CachePolicy::Lru, &dir)).unwrap();
+    let mut gpu =
+        CudaEbc::emulated(&cached_collection(&case, 2, CachePolicy::Lru, trainrec_embedding::CacheBacking::Rows, &dir))
+            .unwrap();
     gpu.set_bounds_check(BoundsCheckMode::Ignore);
     let kjt = check::batch(&mut rand::rngs::StdRng::seed_from_u64(2), false, 0);
     let want = check::collection(&case).forward(&kjt).unwrap();
@@ -249,7 +257,7 @@ fn reset_rows_give_the_cpu_collections_values_in_memory_and_in_the_cache() {
         let what = format!("{precision:?} {cache:?}");
         let mut cpu = match cache {
             None => check::collection(&case),
-            Some(policy) => cached_collection(&case, 26, policy, &dir),
+            Some(policy) => cached_collection(&case, 26, policy, trainrec_embedding::CacheBacking::Rows, &dir),
         };
         let mut gpu = CudaEbc::emulated(&cpu).unwrap();
         gpu.set_bounds_check(BoundsCheckMode::Ignore);

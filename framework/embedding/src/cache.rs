@@ -10,12 +10,21 @@
 //! to the file when evicted. Pinned rows are never evicted: a prefetched batch's rows stay
 //! resident until its update is done, so a pipeline can load batch i+1 while batch i trains.
 //!
+//! Two backing stores sit behind the slots ([`CacheBacking`]): `Rows` (the
+//! `fused_uvm_caching` kernel) keeps one record per table row in a file filled with the
+//! initial weights when the table is built; `KeyValue` (the `key_value` kernel) keeps records
+//! of the rows written so far only, found through a hash index, in files that grow as rows
+//! come: an untouched row reads as its initial weights (computed on demand, the values a table
+//! in memory starts with) and zero state, so the table is built at once and takes disk and
+//! memory in proportion to the rows a run touches, not to its size.
+//!
 //! The kernels run unchanged on the slots: ids are translated to slots first. A row moves
 //! between file and slot bit for bit, and the backward sums each row's gradients in the same
 //! (stable) order whichever slot it has, so a cached table trains exactly like one in memory
 //! (fp32, and fp16/bf16 with round-to-nearest; stochastic rounding draws per slot).
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -37,6 +46,19 @@ pub enum CachePolicy {
     Lfu,
 }
 
+/// What holds the rows a cache's slots do not: both are memory-mapped files on disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CacheBacking {
+    /// One record per table row, in a file made and filled with the initial weights when the
+    /// table is built (TorchRec's `fused_uvm_caching`, its UVM host memory here a file).
+    #[default]
+    Rows,
+    /// A key-value store of the rows written so far (evicted dirty, or set), in files that
+    /// grow as rows come; a row not stored reads as its initial weights and zero state
+    /// (TorchRec's `key_value`, an SSD store). Nothing is written when the table is built.
+    KeyValue,
+}
+
 /// A table's cache: `slots` rows in memory in front of the whole table in a file under `dir`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheConfig {
@@ -44,6 +66,8 @@ pub struct CacheConfig {
     pub slots: u64,
     /// Eviction policy.
     pub policy: CachePolicy,
+    /// The backing store.
+    pub backing: CacheBacking,
     /// Directory of the backing file. The file is unlinked as soon as it is mapped: nothing
     /// stays behind, even after a crash.
     pub dir: PathBuf,
@@ -131,7 +155,7 @@ impl<T: Weight + Pod> SlotStore for TbeSlots<'_, T> {
 }
 
 /// One table's cache state: which rows are in which slots, their pins and eviction order,
-/// and the backing file (the slots' weights and state live in a [`SlotStore`]).
+/// and the backing store (the slots' weights and state live in a [`SlotStore`]).
 pub struct RowCache {
     pub(crate) slots: u32,
     rows: u64,
@@ -140,7 +164,7 @@ pub struct RowCache {
     /// Bytes of one row's weights in the file.
     wbytes: usize,
     policy: CachePolicy,
-    file: MmapMut,
+    backing: Backing,
     slot_of: HugeBuf<u32>,
     row_of: Vec<u32>,
     pins: Vec<u32>,
@@ -159,17 +183,199 @@ pub struct RowCache {
     pub stats: CacheStats,
 }
 
+/// Rows a whole-table pass handles at once.
+const CHUNK: u64 = 1 << 16;
+
+/// The initial weights of a range of rows, as stored (bytes of the table's precision).
+type InitRows = Box<dyn Fn(Range<u64>) -> Vec<u8> + Send + Sync>;
+
+/// Records of rows (weights as stored, then optimizer state) in memory-mapped files.
+struct Backing {
+    kind: CacheBacking,
+    /// Bytes of one record, and of its weights.
+    rec: usize,
+    wbytes: usize,
+    rows: u64,
+    /// `Rows`: one segment, record `r` for row `r`. `KeyValue`: segments appended as records
+    /// are, each twice the last (from 4096 records up to 64 MiB).
+    segments: Vec<Segment>,
+    /// `KeyValue`: the record of each row stored.
+    index: rustc_hash::FxHashMap<u32, u32>,
+    /// `KeyValue`: records in use, and room in the segments.
+    records: u32,
+    capacity: u32,
+    init: InitRows,
+    name: String,
+    dir: PathBuf,
+}
+
+struct Segment {
+    map: MmapMut,
+    first: u32,
+    len: u32,
+}
+
+impl Backing {
+    /// Where row `row`'s record lies (segment, byte offset), if stored.
+    #[inline]
+    fn locate(&self, row: u32) -> Option<(usize, usize)> {
+        match self.kind {
+            CacheBacking::Rows => Some((0, row as usize * self.rec)),
+            CacheBacking::KeyValue => {
+                let &i = self.index.get(&row)?;
+                let s = self.segments.partition_point(|g| g.first <= i) - 1;
+                Some((s, (i - self.segments[s].first) as usize * self.rec))
+            }
+        }
+    }
+
+    fn record(&self, row: u32) -> Option<&[u8]> {
+        let (s, o) = self.locate(row)?;
+        Some(&self.segments[s].map[o..o + self.rec])
+    }
+
+    /// Row `row`'s record to write, given one (initial weights, zero state) when not stored
+    /// yet; a full disk is the error.
+    fn record_mut(&mut self, row: u32) -> Result<&mut [u8], EmbeddingError> {
+        let (s, o) = match self.locate(row) {
+            Some(at) => at,
+            None => {
+                if self.records == self.capacity {
+                    let last = self.segments.last().map_or(0, |g| g.len as u64);
+                    let most = ((64u64 << 20) / self.rec as u64).max(1);
+                    let len = (last * 2).max(4096).min(most).min(self.rows - u64::from(self.capacity));
+                    let map = backing_file(&self.name, &self.dir, len as usize * self.rec)?;
+                    self.segments.push(Segment { map, first: self.capacity, len: len as u32 });
+                    self.capacity += len as u32;
+                }
+                let i = self.records;
+                self.records += 1;
+                self.index.insert(row, i);
+                let g = self.segments.last_mut().expect("a segment with room");
+                let o = (i - g.first) as usize * self.rec;
+                // The file is zero: the state is.
+                g.map[o..o + self.wbytes].copy_from_slice(&(self.init)(u64::from(row)..u64::from(row) + 1));
+                (self.segments.len() - 1, o)
+            }
+        };
+        Ok(&mut self.segments[s].map[o..o + self.rec])
+    }
+
+    /// Row `row`'s weights as stored into `w`.
+    fn read_w(&self, row: u32, w: &mut [u8]) {
+        match self.record(row) {
+            Some(r) => w.copy_from_slice(&r[..self.wbytes]),
+            None => w.copy_from_slice(&(self.init)(u64::from(row)..u64::from(row) + 1)),
+        }
+    }
+
+    /// Row `row`'s optimizer state into `s`.
+    fn read_s(&self, row: u32, s: &mut [f32]) {
+        match self.record(row) {
+            Some(r) => bytes_of_mut(s).copy_from_slice(&r[self.wbytes..]),
+            None => s.fill(0.0),
+        }
+    }
+
+    /// Rows `range` as stored: weights (bytes) and state (`spr` a row).
+    fn read_range(&self, range: Range<u64>, spr: usize) -> (Vec<u8>, Vec<f32>) {
+        let n = (range.end - range.start) as usize;
+        let (mut w, mut st) = match self.kind {
+            CacheBacking::Rows => (vec![0u8; n * self.wbytes], vec![0f32; n * spr]),
+            CacheBacking::KeyValue => ((self.init)(range.clone()), vec![0f32; n * spr]),
+        };
+        for (i, row) in range.enumerate() {
+            if let Some(r) = self.record(row as u32) {
+                w[i * self.wbytes..][..self.wbytes].copy_from_slice(&r[..self.wbytes]);
+                bytes_of_mut(&mut st[i * spr..][..spr]).copy_from_slice(&r[self.wbytes..]);
+            }
+        }
+        (w, st)
+    }
+
+    /// Writes row `row`'s weights and/or state (the other part kept). A `KeyValue` row not
+    /// stored yet stays so when what is written is what it reads as: its initial weights
+    /// (`initial`, when the caller has them) and zero state.
+    fn write(
+        &mut self,
+        row: u32,
+        w: Option<&[u8]>,
+        s: Option<&[f32]>,
+        initial: Option<&[u8]>,
+    ) -> Result<(), EmbeddingError> {
+        if self.kind == CacheBacking::KeyValue && !self.index.contains_key(&row) {
+            let zero_state = s.is_none_or(|s| s.iter().all(|&x| x.to_bits() == 0));
+            let init_weights = match (w, initial) {
+                (None, _) => true,
+                (Some(w), Some(i)) => w == i,
+                (Some(w), None) => w == (self.init)(u64::from(row)..u64::from(row) + 1),
+            };
+            if zero_state && init_weights {
+                return Ok(());
+            }
+        }
+        let wb = self.wbytes;
+        let r = self.record_mut(row)?;
+        if let Some(w) = w {
+            r[..wb].copy_from_slice(w);
+        }
+        if let Some(s) = s {
+            r[wb..].copy_from_slice(bytes_of(s));
+        }
+        Ok(())
+    }
+
+    /// Rows stored (all of them for `Rows`).
+    fn stored(&self) -> u64 {
+        match self.kind {
+            CacheBacking::Rows => self.rows,
+            CacheBacking::KeyValue => self.index.len() as u64,
+        }
+    }
+
+    /// Asks the kernel to start reading the file pages of the stored records of `rows`, all
+    /// at once (`MADV_WILLNEED`, coalesced into runs of pages), so that the disk serves them
+    /// in parallel instead of one page fault at a time.
+    fn read_ahead(&self, rows: impl Iterator<Item = u32>) {
+        const PAGE: usize = 4096;
+        let rec = self.rec;
+        let mut pages: Vec<(usize, usize)> = Vec::new();
+        for row in rows {
+            if let Some((s, o)) = self.locate(row) {
+                pages.extend((o / PAGE..=(o + rec - 1) / PAGE).map(|p| (s, p)));
+            }
+        }
+        if pages.len() < 2 {
+            return;
+        }
+        pages.sort_unstable();
+        pages.dedup();
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len() && pages[j] == (pages[j - 1].0, pages[j - 1].1 + 1) {
+                j += 1;
+            }
+            let map = &self.segments[pages[i].0].map;
+            let (start, end) = (pages[i].1 * PAGE, ((pages[j - 1].1 + 1) * PAGE).min(map.len()));
+            let _ = map.advise_range(memmap2::Advice::WillNeed, start, end - start);
+            i = j;
+        }
+    }
+}
+
 impl RowCache {
     /// A cache of `config.slots` rows over a `rows x dim` table of weight type `T` with `spr`
-    /// optimizer state values per row; the file's weights are `init(rows)` (fp32, row-major),
-    /// its state zero. `name` names the table in errors.
-    pub(crate) fn new<T: Weight + Pod>(
+    /// optimizer state values per row; the table's initial weights are `init(rows)` (fp32,
+    /// row-major, the same values whichever rows are asked together), its state zero. `name`
+    /// names the table in errors.
+    pub(crate) fn new<T: Weight + Pod + 'static>(
         name: &str,
         config: &CacheConfig,
         rows: u64,
         dim: usize,
         spr: usize,
-        init: impl Fn(std::ops::Range<u64>) -> Vec<f32>,
+        init: impl Fn(Range<u64>) -> Vec<f32> + Send + Sync + 'static,
     ) -> Result<Self, EmbeddingError> {
         if config.slots == 0 || config.slots > rows {
             return Err(EmbeddingError::Config(format!(
@@ -181,21 +387,54 @@ impl RowCache {
             return Err(EmbeddingError::Config(format!("table \"{name}\": cached tables hold under 2^32 - 1 rows")));
         }
         let wbytes = dim * size_of::<T>();
-        // One record per row: weights, then optimizer state.
-        let total = (rows as usize).checked_mul(wbytes + spr * 4).ok_or_else(|| {
-            EmbeddingError::Config(format!("table \"{name}\" ({rows} x {dim}) is too large to address"))
-        })?;
-        let file = backing_file(name, &config.dir, total)?;
+        let rec = wbytes + spr * 4;
+        let init: InitRows = Box::new(move |r| {
+            let w: Vec<T> = init(r).into_iter().map(T::from_f32).collect();
+            bytes_of(&w).to_vec()
+        });
+        let mut backing = Backing {
+            kind: config.backing,
+            rec,
+            wbytes,
+            rows,
+            segments: Vec::new(),
+            index: Default::default(),
+            records: 0,
+            capacity: 0,
+            init,
+            name: name.to_string(),
+            dir: config.dir.clone(),
+        };
+        if config.backing == CacheBacking::Rows {
+            // One record per row: weights, then optimizer state.
+            let total = (rows as usize).checked_mul(rec).ok_or_else(|| {
+                EmbeddingError::Config(format!("table \"{name}\" ({rows} x {dim}) is too large to address"))
+            })?;
+            let mut map = backing_file(name, &config.dir, total)?;
+            let mut r = 0;
+            while r < rows {
+                let end = (r + CHUNK).min(rows);
+                let w = (backing.init)(r..end);
+                for (i, w) in w.chunks_exact(wbytes.max(1)).enumerate() {
+                    let o = (r as usize + i) * rec;
+                    map[o..o + wbytes].copy_from_slice(w);
+                }
+                r = end;
+            }
+            // Misses read single rows: no read-ahead around them.
+            let _ = map.advise(memmap2::Advice::Random);
+            backing.segments.push(Segment { map, first: 0, len: rows as u32 });
+        }
         let slots = config.slots as u32;
         let lfu = config.policy == CachePolicy::Lfu;
-        let mut cache = Self {
+        Ok(Self {
             slots,
             rows,
             dim,
             spr,
             wbytes,
             policy: config.policy,
-            file,
+            backing,
             slot_of: HugeBuf::zeroed(rows as usize, "cache index")?,
             row_of: vec![FREE; slots as usize],
             pins: vec![0; slots as usize],
@@ -209,27 +448,11 @@ impl RowCache {
             writebacks: Vec::new(),
             loads: Vec::new(),
             stats: CacheStats::default(),
-        };
-        const CHUNK: u64 = 1 << 16;
-        let mut r = 0;
-        let mut buf: Vec<T> = Vec::new();
-        while r < rows {
-            let end = (r + CHUNK).min(rows);
-            buf.clear();
-            buf.extend(init(r..end).into_iter().map(T::from_f32));
-            for (i, w) in buf.chunks_exact(dim.max(1)).enumerate() {
-                let wr = cache.w_range((r as usize + i) as u32);
-                cache.file[wr].copy_from_slice(bytes_of(w));
-            }
-            r = end;
-        }
-        // Misses read single rows: no read-ahead around them.
-        let _ = cache.file.advise(memmap2::Advice::Random);
-        Ok(cache)
+        })
     }
 
     /// A cache of `config.slots` rows of a `rows x dim` table of `precision` weights with
-    /// `spr` optimizer state values per row, its backing file holding `init(rows)` (fp32,
+    /// `spr` optimizer state values per row, its backing store holding `init(rows)` (fp32,
     /// row-major) and zero state: the cache of another engine's slots (the CUDA engine's).
     pub fn with_precision(
         precision: crate::WeightPrecision,
@@ -238,7 +461,7 @@ impl RowCache {
         rows: u64,
         dim: usize,
         spr: usize,
-        init: impl Fn(std::ops::Range<u64>) -> Vec<f32>,
+        init: impl Fn(Range<u64>) -> Vec<f32> + Send + Sync + 'static,
     ) -> Result<Self, EmbeddingError> {
         match precision {
             crate::WeightPrecision::Fp32 => Self::new::<f32>(name, config, rows, dim, spr, init),
@@ -250,6 +473,12 @@ impl RowCache {
     /// Slots.
     pub fn slots(&self) -> u32 {
         self.slots
+    }
+
+    /// Rows with a record in the backing store: every row for [`CacheBacking::Rows`], the rows
+    /// written so far for [`CacheBacking::KeyValue`].
+    pub fn stored_rows(&self) -> u64 {
+        self.backing.stored()
     }
 
     /// The slot holding `row`, if resident.
@@ -357,50 +586,16 @@ impl RowCache {
         Some(s)
     }
 
-    /// Bytes of one row's record in the file: its weights, then its optimizer state (one
-    /// record per row, so a miss reads one place of the disk).
+    /// Bytes of one row's record: its weights, then its optimizer state (one record per row,
+    /// so a miss reads one place of the disk).
     fn record(&self) -> usize {
-        self.wbytes + self.spr * 4
+        self.backing.rec
     }
 
-    fn w_range(&self, row: u32) -> std::ops::Range<usize> {
-        let o = row as usize * self.record();
-        o..o + self.wbytes
-    }
-
-    fn s_range(&self, row: u32) -> std::ops::Range<usize> {
-        let o = row as usize * self.record() + self.wbytes;
-        o..o + self.spr * 4
-    }
-
-    /// Asks the kernel to start reading the file pages of `rows` that are not resident, all
-    /// at once (`MADV_WILLNEED`, coalesced into runs of pages), so that the disk serves them
-    /// in parallel instead of one page fault at a time.
+    /// Asks the kernel to start reading the backing store's pages of the rows of `rows` that
+    /// are not resident, all at once.
     pub(crate) fn read_ahead(&self, rows: &[u32]) {
-        const PAGE: usize = 4096;
-        let rec = self.record();
-        let mut pages: Vec<usize> = Vec::new();
-        for &row in rows {
-            if self.slot(row).is_none() {
-                let o = row as usize * rec;
-                pages.extend(o / PAGE..=(o + rec - 1) / PAGE);
-            }
-        }
-        if pages.len() < 2 {
-            return;
-        }
-        pages.sort_unstable();
-        pages.dedup();
-        let mut i = 0;
-        while i < pages.len() {
-            let mut j = i + 1;
-            while j < pages.len() && pages[j] == pages[j - 1] + 1 {
-                j += 1;
-            }
-            let (start, end) = (pages[i] * PAGE, ((pages[j - 1] + 1) * PAGE).min(self.file.len()));
-            let _ = self.file.advise_range(memmap2::Advice::WillNeed, start, end - start);
-            i = j;
-        }
+        self.backing.read_ahead(rows.iter().copied().filter(|&r| self.slot(r).is_none()));
     }
 
     /// Queues `row`'s copy from the file into `slot` (clean).
@@ -423,9 +618,9 @@ impl RowCache {
             let (mut w, mut st) = (vec![0u8; slots.len() * wb], vec![0f32; slots.len() * spr]);
             store.read_slots(&slots, &mut w, &mut st)?;
             for (i, &(_, row)) in writebacks.iter().enumerate() {
-                let (wr, sr) = (self.w_range(row), self.s_range(row));
-                self.file[wr].copy_from_slice(&w[i * wb..][..wb]);
-                self.file[sr].copy_from_slice(bytes_of(&st[i * spr..][..spr]));
+                let r = self.backing.record_mut(row)?;
+                r[..wb].copy_from_slice(&w[i * wb..][..wb]);
+                r[wb..].copy_from_slice(bytes_of(&st[i * spr..][..spr]));
             }
         }
         let loads = std::mem::take(&mut self.loads);
@@ -433,8 +628,8 @@ impl RowCache {
             let slots: Vec<u32> = loads.iter().map(|&(s, _)| s).collect();
             let (mut w, mut st) = (vec![0u8; slots.len() * wb], vec![0f32; slots.len() * spr]);
             for (i, &(_, row)) in loads.iter().enumerate() {
-                w[i * wb..][..wb].copy_from_slice(&self.file[self.w_range(row)]);
-                bytes_of_mut(&mut st[i * spr..][..spr]).copy_from_slice(&self.file[self.s_range(row)]);
+                self.backing.read_w(row, &mut w[i * wb..][..wb]);
+                self.backing.read_s(row, &mut st[i * spr..][..spr]);
             }
             store.write_slots(&slots, &w, &st)?;
         }
@@ -449,12 +644,8 @@ impl RowCache {
     /// The whole table as stored: every row's weights (bytes of the stored precision,
     /// `[rows, dim]`) and optimizer state (`[rows, spr]`), resident rows read from `store`.
     pub fn read_table(&self, store: &mut dyn SlotStore) -> Result<(Vec<u8>, Vec<f32>), EmbeddingError> {
-        let (wb, spr, rows) = (self.wbytes, self.spr, self.rows as usize);
-        let (mut w, mut st) = (vec![0u8; rows * wb], vec![0f32; rows * spr]);
-        for r in 0..rows {
-            w[r * wb..][..wb].copy_from_slice(&self.file[self.w_range(r as u32)]);
-            bytes_of_mut(&mut st[r * spr..][..spr]).copy_from_slice(&self.file[self.s_range(r as u32)]);
-        }
+        let (wb, spr) = (self.wbytes, self.spr);
+        let (mut w, mut st) = self.stored_table();
         let resident = self.resident();
         if !resident.is_empty() {
             let slots: Vec<u32> = resident.iter().map(|&(s, _)| s).collect();
@@ -479,7 +670,7 @@ impl RowCache {
         for (i, &r) in rows.iter().enumerate() {
             match self.slot(r) {
                 Some(s) => resident.push((i, s)),
-                None => out[i * wb..][..wb].copy_from_slice(&self.file[self.w_range(r)]),
+                None => self.backing.read_w(r, &mut out[i * wb..][..wb]),
             }
         }
         if !resident.is_empty() {
@@ -493,8 +684,48 @@ impl RowCache {
         Ok(out)
     }
 
-    /// Replaces the whole table (as [`Self::read_table`] gives it): the file, and the
-    /// resident rows' slots (which stay clean).
+    /// The backing store's records of every row (resident rows as last written back):
+    /// weights as stored, `[rows, dim]`, and state, `[rows, spr]`.
+    fn stored_table(&self) -> (Vec<u8>, Vec<f32>) {
+        let (mut w, mut st) = (Vec::new(), Vec::new());
+        let mut r = 0;
+        while r < self.rows {
+            let end = (r + CHUNK).min(self.rows);
+            let (cw, cs) = self.backing.read_range(r..end, self.spr);
+            w.extend_from_slice(&cw);
+            st.extend_from_slice(&cs);
+            r = end;
+        }
+        (w, st)
+    }
+
+    /// Writes whole-table weights (as stored) and state into the backing store (a
+    /// `KeyValue` store keeps rows that still read as initial unstored).
+    fn store_table(&mut self, weights: Option<&[u8]>, state: Option<&[f32]>) -> Result<(), EmbeddingError> {
+        let (wb, spr) = (self.wbytes, self.spr);
+        let mut r = 0;
+        while r < self.rows {
+            let end = (r + CHUNK).min(self.rows);
+            let initial = match (self.backing.kind, weights) {
+                (CacheBacking::KeyValue, Some(_)) => Some((self.backing.init)(r..end)),
+                _ => None,
+            };
+            for row in r..end {
+                let (i, ri) = (row as usize, (row - r) as usize);
+                self.backing.write(
+                    row as u32,
+                    weights.map(|w| &w[i * wb..][..wb]),
+                    state.map(|s| &s[i * spr..][..spr]),
+                    initial.as_ref().map(|w| &w[ri * wb..][..wb]),
+                )?;
+            }
+            r = end;
+        }
+        Ok(())
+    }
+
+    /// Replaces the whole table (as [`Self::read_table`] gives it): the backing store, and
+    /// the resident rows' slots (which stay clean).
     pub fn write_table(
         &mut self,
         store: &mut dyn SlotStore,
@@ -502,11 +733,17 @@ impl RowCache {
         state: &[f32],
     ) -> Result<(), EmbeddingError> {
         let (wb, spr) = (self.wbytes, self.spr);
-        for r in 0..self.rows as usize {
-            let (wr, sr) = (self.w_range(r as u32), self.s_range(r as u32));
-            self.file[wr].copy_from_slice(&weights[r * wb..][..wb]);
-            self.file[sr].copy_from_slice(bytes_of(&state[r * spr..][..spr]));
+        if weights.len() != self.rows as usize * wb || state.len() != self.rows as usize * spr {
+            return Err(EmbeddingError::Shape(format!(
+                "a table of {} rows needs {} weight bytes and {} state values, got {} and {}",
+                self.rows,
+                self.rows as usize * wb,
+                self.rows as usize * spr,
+                weights.len(),
+                state.len()
+            )));
         }
+        self.store_table(Some(weights), Some(state))?;
         let resident = self.resident();
         if !resident.is_empty() {
             let slots: Vec<u32> = resident.iter().map(|&(s, _)| s).collect();
@@ -557,11 +794,7 @@ impl RowCache {
                     sw.extend_from_slice(w);
                     ss.extend_from_slice(st);
                 }
-                None => {
-                    let (wr, sr) = (self.w_range(r), self.s_range(r));
-                    self.file[wr].copy_from_slice(w);
-                    self.file[sr].copy_from_slice(bytes_of(st));
-                }
+                None => self.backing.write(r, Some(w), Some(st), None)?,
             }
         }
         if !slots.is_empty() {
@@ -578,38 +811,53 @@ impl RowCache {
         match self.slot(row) {
             Some(s) => out.iter_mut().zip(tbe.row(t, s as usize).0).for_each(|(o, w)| *o = w.to_f32()),
             None => {
-                let bytes = &self.file[self.w_range(row)];
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(size_of::<T>())) {
-                    let mut w = [T::from_f32(0.0)];
-                    bytes_of_mut(&mut w).copy_from_slice(c);
-                    *o = w[0].to_f32();
-                }
+                let mut w = vec![T::from_f32(0.0); self.dim];
+                self.backing.read_w(row, bytes_of_mut(&mut w));
+                out.iter_mut().zip(w).for_each(|(o, w)| *o = w.to_f32());
             }
         }
     }
 
-    /// The whole table's weights as fp32, `[rows, dim]`.
-    pub(crate) fn weights_f32<T: Weight + Pod>(&self, tbe: &Tbe<T>, t: usize) -> Vec<f32> {
-        let mut out = vec![0f32; self.rows as usize * self.dim];
-        for (r, o) in out.chunks_exact_mut(self.dim).enumerate() {
-            self.read_row(tbe, t, r as u32, o);
+    /// The whole table's weights as fp32, `[rows, dim]`, and its optimizer state,
+    /// `[rows, spr]`.
+    pub(crate) fn table_f32<T: Weight + Pod>(&self, tbe: &Tbe<T>, t: usize) -> (Vec<f32>, Vec<f32>) {
+        let (bytes, mut state) = self.stored_table();
+        let mut w = vec![T::from_f32(0.0); self.rows as usize * self.dim];
+        bytes_of_mut(&mut w).copy_from_slice(&bytes);
+        drop(bytes);
+        let mut out: Vec<f32> = w.into_iter().map(|x| x.to_f32()).collect();
+        for (s, r) in self.resident() {
+            let (rw, rs) = tbe.row(t, s as usize);
+            let r = r as usize;
+            out[r * self.dim..][..self.dim].iter_mut().zip(rw).for_each(|(o, x)| *o = x.to_f32());
+            state[r * self.spr..][..self.spr].copy_from_slice(rs);
         }
-        out
+        (out, state)
     }
 
-    /// The whole table's optimizer state, `[rows, spr]`.
-    pub(crate) fn state<T: Weight + Pod>(&self, tbe: &Tbe<T>, t: usize) -> Vec<f32> {
-        let mut out = vec![0f32; self.rows as usize * self.spr];
-        if self.spr == 0 {
-            return out;
-        }
-        for (r, o) in out.chunks_exact_mut(self.spr).enumerate() {
-            match self.slot(r as u32) {
-                Some(s) => o.copy_from_slice(tbe.row(t, s as usize).1),
-                None => bytes_of_mut(o).copy_from_slice(&self.file[self.s_range(r as u32)]),
+    /// Replaces the whole table's weights (fp32, rounded to nearest) or optimizer state, in
+    /// the resident rows' slots (then dirty) and the backing store.
+    pub(crate) fn set_table<T: Weight + Pod>(
+        &mut self,
+        tbe: &mut Tbe<T>,
+        t: usize,
+        weights: Option<&[f32]>,
+        state: Option<&[f32]>,
+    ) -> Result<(), EmbeddingError> {
+        let stored: Option<Vec<T>> = weights.map(|w| w.iter().map(|&x| T::from_f32(x)).collect());
+        self.store_table(stored.as_deref().map(bytes_of), state)?;
+        for (s, r) in self.resident() {
+            let (dw, ds) = tbe.row_mut(t, s as usize);
+            let r = r as usize;
+            if let Some(w) = &stored {
+                dw.copy_from_slice(&w[r * self.dim..][..self.dim]);
             }
+            if let Some(st) = state {
+                ds.copy_from_slice(&st[r * self.spr..][..self.spr]);
+            }
+            self.dirty[s as usize] = true;
         }
-        out
+        Ok(())
     }
 
     /// Replaces row `row`'s weights (rounded to nearest) and, when given, its state, in its
@@ -621,7 +869,7 @@ impl RowCache {
         row: u32,
         w: &[f32],
         state: Option<&[f32]>,
-    ) {
+    ) -> Result<(), EmbeddingError> {
         match self.slot(row) {
             Some(s) => {
                 let (dw, ds) = tbe.row_mut(t, s as usize);
@@ -630,29 +878,11 @@ impl RowCache {
                     ds.copy_from_slice(st);
                 }
                 self.dirty[s as usize] = true;
+                Ok(())
             }
             None => {
                 let row_w: Vec<T> = w.iter().map(|&x| T::from_f32(x)).collect();
-                let wr = self.w_range(row);
-                self.file[wr].copy_from_slice(bytes_of(&row_w));
-                if let Some(st) = state {
-                    let sr = self.s_range(row);
-                    self.file[sr].copy_from_slice(bytes_of(st));
-                }
-            }
-        }
-    }
-
-    /// Replaces row `row`'s optimizer state.
-    pub(crate) fn write_state<T: Weight + Pod>(&mut self, tbe: &mut Tbe<T>, t: usize, row: u32, state: &[f32]) {
-        match self.slot(row) {
-            Some(s) => {
-                tbe.row_mut(t, s as usize).1.copy_from_slice(state);
-                self.dirty[s as usize] = true;
-            }
-            None => {
-                let sr = self.s_range(row);
-                self.file[sr].copy_from_slice(bytes_of(state));
+                self.backing.write(row, Some(bytes_of(&row_w)), state, None)
             }
         }
     }

@@ -179,7 +179,8 @@ impl Core {
                     None => dispatch!(&mut group, tbe => tbe.init_uniform(local, bound, key)),
                     Some(cache) => {
                         let spr = tables[t].optimizer.state_per_row(c.dim);
-                        let init = |rows| crate::tbe::init_uniform_block(key, bound, c.dim, rows, 0..c.dim);
+                        let dim = c.dim;
+                        let init = move |rows| crate::tbe::init_uniform_block(key, bound, dim, rows, 0..dim);
                         caches[t] = Some(RowCache::with_precision(
                             keys[g].precision,
                             &c.name,
@@ -222,7 +223,7 @@ impl Core {
         let i = self.table_index(name)?;
         let t = &self.tables[i];
         Some(match &self.caches[i] {
-            Some(c) => dispatch!(&self.groups[t.group], g => c.weights_f32(g, t.local)),
+            Some(c) => dispatch!(&self.groups[t.group], g => c.table_f32(g, t.local).0),
             None => dispatch!(&self.groups[t.group], g => g.weights_f32(t.local)),
         })
     }
@@ -231,7 +232,7 @@ impl Core {
         let i = self.table_index(name)?;
         let t = &self.tables[i];
         Some(match &self.caches[i] {
-            Some(c) => dispatch!(&self.groups[t.group], g => c.state(g, t.local)),
+            Some(c) => dispatch!(&self.groups[t.group], g => c.table_f32(g, t.local).1),
             None => dispatch!(&self.groups[t.group], g => g.state(t.local).to_vec()),
         })
     }
@@ -244,11 +245,7 @@ impl Core {
             return Err(EmbeddingError::Shape(format!("table \"{name}\" holds {n} floats, got {}", w.len())));
         }
         match &mut self.caches[i] {
-            Some(c) => dispatch!(&mut self.groups[t.group], g => {
-                for (r, row) in w.chunks_exact(t.config.dim).enumerate() {
-                    c.write_row(g, t.local, r as u32, row, None);
-                }
-            }),
+            Some(c) => dispatch!(&mut self.groups[t.group], g => c.set_table(g, t.local, Some(w), None))?,
             None => dispatch!(&mut self.groups[t.group], g => g.set_weights(t.local, w)),
         }
         Ok(())
@@ -266,11 +263,7 @@ impl Core {
             )));
         }
         match &mut self.caches[i] {
-            Some(c) if spr > 0 => dispatch!(&mut self.groups[t.group], g => {
-                for (r, row) in s.chunks_exact(spr).enumerate() {
-                    c.write_state(g, t.local, r as u32, row);
-                }
-            }),
+            Some(c) if spr > 0 => dispatch!(&mut self.groups[t.group], g => c.set_table(g, t.local, None, Some(s)))?,
             Some(_) => {}
             None => dispatch!(&mut self.groups[t.group], g => g.set_state(t.local, s)),
         }
@@ -320,7 +313,7 @@ impl Core {
                 let zeros = vec![0f32; t.optimizer.state_per_row(t.config.dim)];
                 dispatch!(&mut self.groups[t.group], g => {
                     for (&r, row) in rows.iter().zip(values.chunks_exact(t.config.dim)) {
-                        c.write_row(g, t.local, r as u32, row, Some(&zeros));
+                        c.write_row(g, t.local, r as u32, row, Some(&zeros))?;
                     }
                 })
             }

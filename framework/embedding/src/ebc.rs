@@ -168,6 +168,13 @@ impl EmbeddingBagCollection {
         self.core.caches[self.core.table_index(name)?].as_ref().map(|c| c.stats)
     }
 
+    /// Rows of cached table `name` with a record in its backing store (every row for a
+    /// [`crate::CacheBacking::Rows`] store, the rows written so far for a
+    /// [`crate::CacheBacking::KeyValue`] one); `None` unless it is cached.
+    pub fn stored_rows(&self, name: &str) -> Option<u64> {
+        self.core.caches[self.core.table_index(name)?].as_ref().map(|c| c.stored_rows())
+    }
+
     /// The collection's tables and outputs.
     pub(crate) fn core(&self) -> &Core {
         &self.core

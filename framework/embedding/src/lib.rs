@@ -24,7 +24,7 @@ mod tbe;
 #[cfg(test)]
 mod tests;
 
-pub use cache::{CacheConfig, CachePolicy, CacheStats, RowCache, SlotStore};
+pub use cache::{CacheBacking, CacheConfig, CachePolicy, CacheStats, RowCache, SlotStore};
 pub use collection::{id_out_of_range, initial_weights, resolve_inputs};
 pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, WeightDecayMode,

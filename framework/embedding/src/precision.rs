@@ -154,10 +154,50 @@ impl RowRng {
 
     #[inline]
     pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
+        self.0 = Self::step(self.0);
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// The state transition alone (linear over GF(2) in the state's bits).
+    #[inline]
+    fn step(mut x: u64) -> u64 {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^ (x >> 27)
+    }
+
+    /// Advances the stream by `n` draws at once, in O(log n) (a cached table's row read on
+    /// demand starts mid-block in a seeded stream). The transition is a 64 x 64 bit matrix;
+    /// its powers of two are built once.
+    pub(crate) fn skip(&mut self, n: u64) {
+        type Matrix = [u64; 64];
+        // Column j of a matrix: the image of bit j.
+        fn apply(m: &Matrix, x: u64) -> u64 {
+            let mut y = 0;
+            let mut bits = x;
+            while bits != 0 {
+                let j = bits.trailing_zeros() as usize;
+                y ^= m[j];
+                bits &= bits - 1;
+            }
+            y
+        }
+        static POWERS: std::sync::OnceLock<Vec<Matrix>> = std::sync::OnceLock::new();
+        let powers = POWERS.get_or_init(|| {
+            let mut m: Matrix = std::array::from_fn(|j| RowRng::step(1 << j));
+            let mut out = Vec::with_capacity(64);
+            for _ in 0..64 {
+                out.push(m);
+                m = std::array::from_fn(|j| apply(&m, m[j]));
+            }
+            out
+        });
+        let mut k = n;
+        while k != 0 {
+            let b = k.trailing_zeros() as usize;
+            self.0 = apply(&powers[b], self.0);
+            k &= k - 1;
+        }
     }
 }
 
@@ -180,6 +220,24 @@ pub(crate) fn store_row<T: Weight>(dst: &mut [T], src: &[f32], rng: Option<&mut 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn skipping_n_draws_lands_where_n_draws_do() {
+        for key in [0u64, 7, u64::MAX] {
+            let mut walked = RowRng::new(key);
+            let mut done = 0u64;
+            for n in [0u64, 1, 2, 63, 64, 65, 1000, 123_457, 16383 * 64] {
+                while done < n {
+                    walked.next_u64();
+                    done += 1;
+                }
+                let mut jumped = RowRng::new(key);
+                jumped.skip(n);
+                assert_eq!(jumped.0, walked.0, "key {key}, {n} draws");
+                assert_eq!(jumped.next_u64(), RowRng(walked.0).next_u64());
+            }
+        }
+    }
 
     #[test]
     fn fast_f16_widening_is_exact_for_every_bit_pattern() {

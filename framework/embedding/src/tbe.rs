@@ -616,9 +616,7 @@ pub(crate) fn init_uniform_block(
     while r < rows.end as usize {
         let block = r / INIT_BLOCK_ROWS;
         let mut rng = init_rng(key, block);
-        for _ in 0..(r - block * INIT_BLOCK_ROWS) * dim {
-            rng.next_u64();
-        }
+        rng.skip(((r - block * INIT_BLOCK_ROWS) * dim) as u64);
         let end = ((block + 1) * INIT_BLOCK_ROWS).min(rows.end as usize);
         for _ in r..end {
             for c in 0..dim {

@@ -1,13 +1,14 @@
-//! Cached tables (a cache of rows in memory, the table in a file) against the same tables
-//! held in memory: identical lookups, updates, optimizer state, for LRU and LFU, with and
-//! without prefetching the next batch before an update; eviction order on hand-built
-//! streams; a cache too small for a batch fails cleanly and stays usable.
+//! Cached tables (a cache of rows in memory, the table in a file or a key-value store of the
+//! rows written) against the same tables held in memory: identical lookups, updates,
+//! optimizer state, for LRU and LFU, with and without prefetching the next batch before an
+//! update; eviction order on hand-built streams; a cache too small for a batch fails
+//! cleanly and stays usable; a key-value table far larger than the disk trains.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use trainrec_embedding::{
-    CacheConfig, CachePolicy, EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig,
-    WeightDecayMode,
+    CacheBacking, CacheConfig, CachePolicy, EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode,
+    SparseOptimizerConfig, WeightDecayMode,
 };
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -15,9 +16,11 @@ fn dir() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("trainrec-cache-test-{}", std::process::id()))
 }
 
-fn tables(cache: Option<(u64, CachePolicy)>) -> Vec<EmbeddingBagConfig> {
+fn tables(cache: Option<(u64, CachePolicy, CacheBacking)>) -> Vec<EmbeddingBagConfig> {
     let cached = |c: EmbeddingBagConfig, share: u64| match cache {
-        Some((slots, policy)) => c.with_cache(CacheConfig { slots: slots / share, policy, dir: dir() }),
+        Some((slots, policy, backing)) => {
+            c.with_cache(CacheConfig { slots: slots / share, policy, backing, dir: dir() })
+        }
         None => c,
     };
     vec![
@@ -89,25 +92,34 @@ fn cached_tables_train_exactly_like_tables_in_memory() {
     for opt in optimizers() {
         let mut plain = EmbeddingBagCollection::new(tables(None), opt.clone(), 3).unwrap();
         let want = train(&mut plain, 30, false);
-        for policy in [CachePolicy::Lru, CachePolicy::Lfu] {
-            for prefetch in [false, true] {
-                // 80 slots for `big` (40 for `mean`): two batches' rows always fit (at most
-                // 2 x 2 x 6 x 3 = 72 ids), well under the tables' rows, so rows are evicted and
-                // reloaded.
-                let mut cached = EmbeddingBagCollection::new(tables(Some((80, policy))), opt.clone(), 3).unwrap();
-                let what = format!("{opt:?} {policy:?} prefetch {prefetch}");
-                assert_eq!(cached.table_weights("big"), plain_initial(&opt, "big"), "{what}: initial weights");
-                let got = train(&mut cached, 30, prefetch);
-                assert_eq!(got, want, "{what}: pooled outputs");
-                for t in ["big", "small", "mean"] {
-                    assert_eq!(cached.table_weights(t), plain.table_weights(t), "{what}: weights of {t}");
-                    assert_eq!(cached.optimizer_state(t), plain.optimizer_state(t), "{what}: state of {t}");
-                }
-                let s = cached.cache_stats("big").expect("cached");
-                assert!(s.evictions > 0 && s.writebacks > 0, "{what}: the cache did evict: {s:?}");
-                assert!(s.hits > 0 && s.misses > 0, "{what}: {s:?}");
-                assert_eq!(s.requests, s.hits + s.misses);
-                assert!(cached.cache_stats("small").is_none());
+        for (policy, backing, prefetch) in [CachePolicy::Lru, CachePolicy::Lfu]
+            .into_iter()
+            .flat_map(|p| [CacheBacking::Rows, CacheBacking::KeyValue].map(|b| (p, b)))
+            .flat_map(|(p, b)| [false, true].map(|f| (p, b, f)))
+        {
+            // 80 slots for `big` (40 for `mean`): two batches' rows always fit (at most
+            // 2 x 2 x 6 x 3 = 72 ids), well under the tables' rows, so rows are evicted and
+            // reloaded.
+            let config = tables(Some((80, policy, backing)));
+            let mut cached = EmbeddingBagCollection::new(config, opt.clone(), 3).unwrap();
+            let what = format!("{opt:?} {policy:?} {backing:?} prefetch {prefetch}");
+            assert_eq!(cached.table_weights("big"), plain_initial(&opt, "big"), "{what}: initial weights");
+            let got = train(&mut cached, 30, prefetch);
+            assert_eq!(got, want, "{what}: pooled outputs");
+            for t in ["big", "small", "mean"] {
+                assert_eq!(cached.table_weights(t), plain.table_weights(t), "{what}: weights of {t}");
+                assert_eq!(cached.optimizer_state(t), plain.optimizer_state(t), "{what}: state of {t}");
+            }
+            let s = cached.cache_stats("big").expect("cached");
+            assert!(s.evictions > 0 && s.writebacks > 0, "{what}: the cache did evict: {s:?}");
+            assert!(s.hits > 0 && s.misses > 0, "{what}: {s:?}");
+            assert_eq!(s.requests, s.hits + s.misses);
+            assert!(cached.cache_stats("small").is_none());
+            // A key-value store holds the rows written back, a row file every row.
+            let stored = cached.stored_rows("big").unwrap();
+            match backing {
+                CacheBacking::Rows => assert_eq!(stored, 200, "{what}"),
+                CacheBacking::KeyValue => assert!(stored > 0 && stored < 200, "{what}: {stored} rows stored"),
             }
         }
     }
@@ -125,10 +137,17 @@ fn setters_and_row_resets_reach_resident_and_evicted_rows() {
         weight_decay: 0.0,
         weight_decay_mode: WeightDecayMode::None,
     };
-    let mut plain = EmbeddingBagCollection::new(tables(None), opt.clone(), 5).unwrap();
-    let mut cached = EmbeddingBagCollection::new(tables(Some((80, CachePolicy::Lru))), opt, 5).unwrap();
-    train(&mut plain, 5, false);
-    train(&mut cached, 5, false);
+    for backing in [CacheBacking::Rows, CacheBacking::KeyValue] {
+        let mut plain = EmbeddingBagCollection::new(tables(None), opt.clone(), 5).unwrap();
+        let config = tables(Some((80, CachePolicy::Lru, backing)));
+        let mut cached = EmbeddingBagCollection::new(config, opt.clone(), 5).unwrap();
+        setters_and_resets(&mut plain, &mut cached);
+    }
+}
+
+fn setters_and_resets(plain: &mut EmbeddingBagCollection, cached: &mut EmbeddingBagCollection) {
+    train(plain, 5, false);
+    train(cached, 5, false);
     // Resets of rows resident and not, then new weights and state for the whole table.
     let rows: Vec<u64> = (0..200).step_by(7).collect();
     plain.reset_rows("big", &rows, 99).unwrap();
@@ -137,13 +156,13 @@ fn setters_and_row_resets_reach_resident_and_evicted_rows() {
     assert_eq!(cached.optimizer_state("big"), plain.optimizer_state("big"));
     let w: Vec<f32> = (0..200 * 8).map(|i| (i % 13) as f32 * 0.25).collect();
     let s: Vec<f32> = (0..200).map(|i| i as f32).collect();
-    for ebc in [&mut plain, &mut cached] {
+    for ebc in [&mut *plain, &mut *cached] {
         ebc.set_table_weights("big", w.clone()).unwrap();
         ebc.set_optimizer_state("big", s.clone()).unwrap();
     }
     assert_eq!(cached.table_weights("big").unwrap(), w);
     assert_eq!(cached.optimizer_state("big").unwrap(), s);
-    assert_eq!(train(&mut cached, 8, true), train(&mut plain, 8, false));
+    assert_eq!(train(cached, 8, true), train(plain, 8, false));
     assert_eq!(cached.table_weights("big"), plain.table_weights("big"));
 }
 
@@ -152,6 +171,7 @@ fn tiny(policy: CachePolicy) -> EmbeddingBagCollection {
     let t = EmbeddingBagConfig::new("t", 10, 1, PoolingMode::Sum, &["f"]).with_cache(CacheConfig {
         slots: 3,
         policy,
+        backing: CacheBacking::Rows,
         dir: dir(),
     });
     let mut ebc = EmbeddingBagCollection::new(vec![t], SparseOptimizerConfig::Sgd { lr: 1.0 }, 0).unwrap();
@@ -225,6 +245,7 @@ fn bad_cache_sizes_are_config_errors_naming_the_table() {
         let t = EmbeddingBagConfig::new("t", 10, 1, PoolingMode::Sum, &["f"]).with_cache(CacheConfig {
             slots,
             policy: CachePolicy::Lru,
+            backing: CacheBacking::Rows,
             dir: own.clone(),
         });
         let err = EmbeddingBagCollection::new(vec![t], SparseOptimizerConfig::Sgd { lr: 1.0 }, 0).err().unwrap();
@@ -235,6 +256,7 @@ fn bad_cache_sizes_are_config_errors_naming_the_table() {
     let huge = EmbeddingBagConfig::new("huge", 4_000_000_000, 4096, PoolingMode::Sum, &["f"]).with_cache(CacheConfig {
         slots: 10,
         policy: CachePolicy::Lru,
+        backing: CacheBacking::Rows,
         dir: own.clone(),
     });
     let err = EmbeddingBagCollection::new(vec![huge], SparseOptimizerConfig::Sgd { lr: 1.0 }, 0).err().unwrap();
@@ -244,4 +266,83 @@ fn bad_cache_sizes_are_config_errors_naming_the_table() {
     let left: Vec<_> =
         std::fs::read_dir(&own).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "{left:?}");
+}
+
+/// A key-value table's initial rows, read without a record, as an in-memory table's.
+#[test]
+fn a_key_value_table_starts_with_the_in_memory_weights_and_stores_only_what_changes() {
+    let opt = SparseOptimizerConfig::Sgd { lr: 0.5 };
+    // 40 000 rows: rows past the first seeded init block (16 384 rows) start mid-stream.
+    let table = |cache: Option<CacheConfig>| {
+        let t = EmbeddingBagConfig::new("t", 40_000, 6, PoolingMode::Sum, &["f"]);
+        vec![match cache {
+            Some(c) => t.with_cache(c),
+            None => t,
+        }]
+    };
+    let own = dir().join("key-value");
+    let config = CacheConfig { slots: 4, policy: CachePolicy::Lru, backing: CacheBacking::KeyValue, dir: own.clone() };
+    let mut plain = EmbeddingBagCollection::new(table(None), opt.clone(), 9).unwrap();
+    let mut kv = EmbeddingBagCollection::new(table(Some(config)), opt, 9).unwrap();
+    assert_eq!(kv.stored_rows("t"), Some(0), "nothing is written when the table is built");
+    let ids = [39_999i64, 16_384, 16_383, 20_001, 7];
+    for ebc in [&mut plain, &mut kv] {
+        ebc.forward(&bag(&ids)).unwrap();
+        for (i, &id) in ids.iter().enumerate() {
+            // One row a step: 5 rows through 4 slots evict one, which is written back.
+            ebc.backward_and_update(&bag(&[id]), &[1.0 + i as f32; 6]).unwrap();
+        }
+    }
+    assert_eq!(kv.forward(&bag(&ids)).unwrap().values(), plain.forward(&bag(&ids)).unwrap().values());
+    assert_eq!(kv.stored_rows("t"), Some(1), "the one evicted row");
+    assert_eq!(kv.table_weights("t"), plain.table_weights("t"));
+    // Whole-table weights as they are (a checkpoint restored) store only the changed rows.
+    let w = plain.table_weights("t").unwrap();
+    let mut fresh = EmbeddingBagCollection::new(
+        table(Some(CacheConfig {
+            slots: 4,
+            policy: CachePolicy::Lru,
+            backing: CacheBacking::KeyValue,
+            dir: own.clone(),
+        })),
+        SparseOptimizerConfig::Sgd { lr: 0.5 },
+        9,
+    )
+    .unwrap();
+    fresh.set_table_weights("t", w.clone()).unwrap();
+    assert_eq!(fresh.stored_rows("t"), Some(ids.len() as u64));
+    assert_eq!(fresh.table_weights("t").unwrap(), w);
+    drop((kv, fresh));
+    let left: Vec<_> =
+        std::fs::read_dir(&own).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// A key-value table of 10^9 rows x 64 (256 GB, more than this disk) is built at once and
+/// trains: its rows are made as they are written.
+#[test]
+fn a_key_value_table_larger_than_the_disk_trains() {
+    let own = dir().join("key-value-huge");
+    let t = EmbeddingBagConfig::new("huge", 1_000_000_000, 64, PoolingMode::Sum, &["f"]).with_cache(CacheConfig {
+        slots: 2,
+        policy: CachePolicy::Lru,
+        backing: CacheBacking::KeyValue,
+        dir: own.clone(),
+    });
+    let mut ebc = EmbeddingBagCollection::new(vec![t], SparseOptimizerConfig::Sgd { lr: 1.0 }, 0).unwrap();
+    let ids = [999_999_999i64, 3, 500_000_000];
+    let before: Vec<Vec<f32>> = ids.iter().map(|&id| ebc.forward(&bag(&[id])).unwrap().values().to_vec()).collect();
+    for &id in &ids {
+        ebc.backward_and_update(&bag(&[id]), &[0.25; 64]).unwrap();
+    }
+    // SGD, lr 1: each row lowered by its gradient, the evicted one read back from the store.
+    for (&id, b) in ids.iter().zip(&before) {
+        let after = ebc.forward(&bag(&[id])).unwrap().values().to_vec();
+        let want: Vec<f32> = b.iter().map(|x| x - 0.25).collect();
+        assert_eq!(after, want, "row {id}");
+    }
+    assert!(before[0] != before[1] && before[0].iter().all(|x| x.abs() <= 1e-4 && *x != 0.0), "{before:?}");
+    assert!(ebc.stored_rows("huge").unwrap() <= 3);
+    let files = std::fs::read_dir(&own).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(files, 0, "the store's files are unlinked");
 }

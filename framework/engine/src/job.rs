@@ -174,24 +174,27 @@ pub(crate) fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trai
 
 /// The recipe's tables with the plan's kernels: a table planned `fused_uvm_caching` keeps a
 /// cache of `load factor x rows` rows (weights and optimizer state) in memory and the whole
-/// table in a file under `embedding.offload_dir`.
+/// table in a file under `embedding.offload_dir`; one planned `key_value` keeps the same cache
+/// in front of a key-value store there of the rows written so far.
 pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> Vec<EmbeddingBagConfig> {
     use trainrec_planner::{CacheAlgorithm, ComputeKernel};
     let dir = recipe.embedding.offload_dir.clone().unwrap_or_else(|| recipe.output_dir().join("offload"));
     let mut tables = recipe_tables(recipe);
     for (c, t) in tables.iter_mut().zip(&recipe.tables) {
         let Some(tp) = plan.tables.iter().find(|p| p.name == c.name) else { continue };
-        if tp.compute_kernel != ComputeKernel::FusedUvmCaching {
-            continue;
-        }
+        let backing = match tp.compute_kernel {
+            ComputeKernel::FusedUvmCaching => trainrec_embedding::CacheBacking::Rows,
+            ComputeKernel::KeyValue => trainrec_embedding::CacheBacking::KeyValue,
+            _ => continue,
+        };
         let load_factor = tp.cache_load_factor.unwrap_or(trainrec_planner::defaults::UVM_CACHING_RATIO);
         let slots = ((load_factor * c.rows as f64).ceil() as u64).clamp(1, c.rows);
         let policy = match t.constraints.cache.as_ref().and_then(|k| k.algorithm) {
             Some(CacheAlgorithm::Lfu) => trainrec_embedding::CachePolicy::Lfu,
             _ => trainrec_embedding::CachePolicy::Lru,
         };
-        tracing::info!(table = %c.name, slots, rows = c.rows, ?policy, dir = %dir.display(), "cached table");
-        c.cache = Some(trainrec_embedding::CacheConfig { slots, policy, dir: dir.clone() });
+        tracing::info!(table = %c.name, slots, rows = c.rows, ?policy, ?backing, dir = %dir.display(), "cached table");
+        c.cache = Some(trainrec_embedding::CacheConfig { slots, policy, backing, dir: dir.clone() });
     }
     tables
 }
