@@ -474,4 +474,9 @@ fn cached_tables_train_like_tables_in_memory_with_and_without_prefetch() {
         }
         assert!(last["metrics"].get("cache/t_C5/hit_rate").is_none(), "t_C5 is in memory");
     }
+    // The `key_value` kernel: the same caches before a store of the rows written so far.
+    let kv: Vec<String> = (0..4).map(|i| format!("tables[{i}].constraints.compute_kernels=[\"key_value\"]")).collect();
+    let cached = go("offload-key-value", &kv);
+    assert_eq!(without_cache(&cached), plain, "key_value tables trained differently");
+    assert!(cached.iter().any(|l| l["metrics"].get("cache/t_C1/evictions").is_some_and(|e| e.as_f64() > Some(0.0))));
 }

@@ -1,9 +1,10 @@
-//! Cached tables (the `fused_uvm_caching` kernel on CPU): a fixed number of cache slots in
-//! memory in front of the whole table, weights and optimizer state, in a memory-mapped file
-//! on disk, so a table larger than RAM trains.
+//! Cached tables (the `fused_uvm_caching` and `key_value` kernels on CPU): a fixed number of
+//! cache slots in memory in front of the whole table, weights and optimizer state, in
+//! memory-mapped files on disk, so a table larger than RAM trains.
 //!
 //! The cache is fully associative. A row is resident in at most one slot; `slot_of` maps a
-//! table row to its slot in O(1) (4 bytes per table row, in lazily zeroed memory). Resident
+//! table row to its slot in O(1) (4 bytes per table row in lazily zeroed memory, or for a
+//! `key_value` table a hash map of the resident rows). Resident
 //! rows that no batch has pinned wait in an ordered set by eviction score (LRU: the batch
 //! that last used them; LFU: how many batches used the row so far, then recency), so a miss
 //! evicts the lowest score in O(log slots). Dirty rows (updated since loaded) are written back
@@ -165,13 +166,13 @@ pub struct RowCache {
     wbytes: usize,
     policy: CachePolicy,
     backing: Backing,
-    slot_of: HugeBuf<u32>,
+    slot_of: RowMap,
     row_of: Vec<u32>,
     pins: Vec<u32>,
     dirty: Vec<bool>,
     score: Vec<u64>,
     mark: Vec<u64>,
-    freq: HugeBuf<u32>,
+    freq: RowMap,
     queue: BTreeSet<(u64, u32)>,
     free: Vec<u32>,
     call: u64,
@@ -181,6 +182,44 @@ pub struct RowCache {
     loads: Vec<(u32, u32)>,
     /// Counters since the cache was built.
     pub stats: CacheStats,
+}
+
+/// A `u32` per table row, zero until set: an array over every row (4 bytes a row, in lazily
+/// zeroed memory) for a table whose every row has a record anyway, a hash map of the rows set
+/// for a `KeyValue` table (memory in proportion to the rows a run touches).
+enum RowMap {
+    Dense(HugeBuf<u32>),
+    Hashed(rustc_hash::FxHashMap<u32, u32>),
+}
+
+impl RowMap {
+    fn new(backing: CacheBacking, rows: u64, what: &str) -> Result<Self, EmbeddingError> {
+        Ok(match backing {
+            CacheBacking::Rows => Self::Dense(HugeBuf::zeroed(rows as usize, what)?),
+            CacheBacking::KeyValue => Self::Hashed(Default::default()),
+        })
+    }
+
+    #[inline]
+    fn get(&self, row: u32) -> u32 {
+        match self {
+            Self::Dense(b) => b.as_slice()[row as usize],
+            Self::Hashed(m) => m.get(&row).copied().unwrap_or(0),
+        }
+    }
+
+    #[inline]
+    fn set(&mut self, row: u32, v: u32) {
+        match self {
+            Self::Dense(b) => b.as_mut_slice()[row as usize] = v,
+            Self::Hashed(m) if v == 0 => {
+                m.remove(&row);
+            }
+            Self::Hashed(m) => {
+                m.insert(row, v);
+            }
+        }
+    }
 }
 
 /// Rows a whole-table pass handles at once.
@@ -435,13 +474,13 @@ impl RowCache {
             wbytes,
             policy: config.policy,
             backing,
-            slot_of: HugeBuf::zeroed(rows as usize, "cache index")?,
+            slot_of: RowMap::new(config.backing, rows, "cache index")?,
             row_of: vec![FREE; slots as usize],
             pins: vec![0; slots as usize],
             dirty: vec![false; slots as usize],
             score: vec![0; slots as usize],
             mark: vec![0; slots as usize],
-            freq: HugeBuf::zeroed(if lfu { rows as usize } else { 0 }, "cache frequencies")?,
+            freq: RowMap::new(config.backing, if lfu { rows } else { 0 }, "cache frequencies")?,
             queue: BTreeSet::new(),
             free: (0..slots).rev().collect(),
             call: 0,
@@ -484,7 +523,7 @@ impl RowCache {
     /// The slot holding `row`, if resident.
     #[inline]
     pub fn slot(&self, row: u32) -> Option<u32> {
-        match self.slot_of.as_slice()[row as usize] {
+        match self.slot_of.get(row) {
             0 => None,
             s => Some(s - 1),
         }
@@ -545,9 +584,9 @@ impl RowCache {
             self.score[si] = match self.policy {
                 CachePolicy::Lru => call,
                 CachePolicy::Lfu => {
-                    let f = &mut self.freq.as_mut_slice()[row as usize];
-                    *f = f.saturating_add(1);
-                    (u64::from(*f) << 32) | (call & 0xFFFF_FFFF)
+                    let f = self.freq.get(row).saturating_add(1);
+                    self.freq.set(row, f);
+                    (u64::from(f) << 32) | (call & 0xFFFF_FFFF)
                 }
             };
             pinned.push(slot);
@@ -580,7 +619,7 @@ impl RowCache {
             self.stats.writebacks += 1;
             self.stats.written_bytes += self.record() as u64;
         }
-        self.slot_of.as_mut_slice()[old as usize] = 0;
+        self.slot_of.set(old, 0);
         self.row_of[s as usize] = FREE;
         self.stats.evictions += 1;
         Some(s)
@@ -601,7 +640,7 @@ impl RowCache {
     /// Queues `row`'s copy from the file into `slot` (clean).
     fn load(&mut self, slot: u32, row: u32) {
         self.loads.push((slot, row));
-        self.slot_of.as_mut_slice()[row as usize] = slot + 1;
+        self.slot_of.set(row, slot + 1);
         self.row_of[slot as usize] = row;
         self.dirty[slot as usize] = false;
         self.stats.loaded_bytes += self.record() as u64;

@@ -101,6 +101,9 @@ pub struct DlrmBench {
     /// Offload every table behind a cache of this share of its rows (`fused_uvm_caching`,
     /// LRU); `None` keeps them in memory.
     pub cache_load_factor: Option<f64>,
+    /// Offload with the `key_value` kernel instead: the cache in front of a store of the rows
+    /// written so far (a row never written reads as its initial weights, without a disk read).
+    pub key_value: bool,
     /// Directory of the offloaded tables' files (default: under the bench's temp dir).
     pub offload_dir: Option<std::path::PathBuf>,
     /// Prefetch batch i+1's cached rows while batch i's dense part runs.
@@ -133,6 +136,7 @@ impl Default for DlrmBench {
             profile: false,
             malloc_tuning: true,
             cache_load_factor: None,
+            key_value: false,
             offload_dir: None,
             prefetch: false,
             zipf_alpha: None,
@@ -163,8 +167,9 @@ pub(crate) fn recipe_toml(b: &DlrmBench, out_dir: &std::path::Path) -> String {
         pf = b.ids_per_feature,
         train = (b.batch * b.num_batches) as u64,
     );
+    let kernel = if b.key_value { "key_value" } else { "fused_uvm_caching" };
     let cache = b.cache_load_factor.map_or(String::new(), |f| {
-        format!("constraints = {{ compute_kernels = [\"fused_uvm_caching\"], cache = {{ load_factor = {f:?} }} }}\n")
+        format!("constraints = {{ compute_kernels = [{kernel:?}], cache = {{ load_factor = {f:?} }} }}\n")
     });
     for i in 0..b.num_sparse {
         s.push_str(&format!(
@@ -619,7 +624,9 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
             "over_arch": b.over_arch, "batch": b.batch, "steps": b.steps, "warmup": b.warmup,
             "num_batches": b.num_batches, "lr": b.lr, "eps": b.eps, "seed": b.seed, "threads": b.threads,
             "malloc_tuning": b.malloc_tuning, "dense_opt": "adagrad", "sparse_opt": "rowwise_adagrad",
-            "zipf_alpha": b.zipf_alpha,
+            "zipf_alpha": b.zipf_alpha, "cache_load_factor": b.cache_load_factor,
+            "offload_kernel": b.cache_load_factor.map(|_| if b.key_value { "key_value" } else { "fused_uvm_caching" }),
+            "prefetch": b.prefetch,
         },
         "step": step,
         "ms_per_step": ms,

@@ -22,8 +22,9 @@ pub fn supported_kernels(st: ShardingType, device: ComputeDevice) -> Vec<Compute
     use ComputeKernel::*;
     match (st, device) {
         (ShardingType::DataParallel, _) => vec![Dense],
-        // Cached on CPU: the cache in DDR, the table in a file on disk.
-        (_, ComputeDevice::Cpu) => vec![Fused, FusedUvmCaching],
+        // Cached on CPU: the cache in DDR, the table in a file on disk (`key_value`: a store
+        // of the rows written).
+        (_, ComputeDevice::Cpu) => vec![Fused, FusedUvmCaching, KeyValue],
         (_, ComputeDevice::Cuda) => vec![Fused, FusedUvm, FusedUvmCaching, KeyValue],
     }
 }

@@ -173,8 +173,8 @@ impl Estimator<'_> {
             (ComputeDevice::Cpu, ComputeKernel::Dense) => Some(0.5 * ddr),
             (ComputeDevice::Cpu, ComputeKernel::Fused) => Some(ddr),
             // Prefetched: every lookup hits the cache. Otherwise misses read from disk.
-            (ComputeDevice::Cpu, ComputeKernel::FusedUvmCaching) if prefetch => Some(ddr),
-            (ComputeDevice::Cpu, ComputeKernel::FusedUvmCaching) => {
+            (ComputeDevice::Cpu, ComputeKernel::FusedUvmCaching | ComputeKernel::KeyValue) if prefetch => Some(ddr),
+            (ComputeDevice::Cpu, ComputeKernel::FusedUvmCaching | ComputeKernel::KeyValue) => {
                 Some(ratio * ddr + (1.0 - ratio) * bytes_per_ms(t.ssd_mem_bw))
             }
             (ComputeDevice::Cpu, _) => None,
@@ -320,9 +320,11 @@ impl Estimator<'_> {
 
     /// Time to load missed rows into a cache. TorchRec counts this only with cache statistics
     /// (none here), so it is 0 under its cost model; trainrec's assumes uniform access: a
-    /// share `1 - load_factor` of the step's ids miss and cross the host link.
+    /// share `1 - load_factor` of the step's ids miss and cross the host link (on CPU a
+    /// `key_value` table's cache misses the same way as a `fused_uvm_caching` one's).
     fn prefetch(&self, c: &Ctx, kernel: ComputeKernel, clf: Option<f64>, divisor: f64, dim: f64) -> f64 {
-        if self.cost_model == CostModel::Torchrec || kernel != ComputeKernel::FusedUvmCaching {
+        let cpu_store = self.topo.compute_device == ComputeDevice::Cpu && kernel == ComputeKernel::KeyValue;
+        if self.cost_model == CostModel::Torchrec || !(kernel == ComputeKernel::FusedUvmCaching || cpu_store) {
             return 0.0;
         }
         let miss = 1.0 - clf.unwrap_or(UVM_CACHING_RATIO);
@@ -395,15 +397,16 @@ impl Estimator<'_> {
             .iter()
             .zip(io)
             .map(|((size, _), (input, output))| {
-                let (mut hbm, mut ddr, ssd) = if kernel == ComputeKernel::KeyValue {
-                    // Rows (with optimizer state and cache metadata) on SSD; no L1 cache set.
-                    (0, 0, specific(bytes, size, true))
-                } else if cached && t.compute_device == ComputeDevice::Cpu {
-                    // The cache (rows, their state, its index) in DDR; the table on disk.
-                    (0, specific(hbm_total, size, true), specific(bytes, size, false))
-                } else {
-                    (specific(hbm_total, size, cached), specific(ddr_total, size, false), 0)
-                };
+                let (mut hbm, mut ddr, ssd) =
+                    if kernel == ComputeKernel::KeyValue && t.compute_device == ComputeDevice::Cuda {
+                        // Rows (with optimizer state and cache metadata) on SSD; no L1 cache set.
+                        (0, 0, specific(bytes, size, true))
+                    } else if cached && t.compute_device == ComputeDevice::Cpu {
+                        // The cache (rows, their state, its index) in DDR; the table on disk.
+                        (0, specific(hbm_total, size, true), specific(bytes, size, false))
+                    } else {
+                        (specific(hbm_total, size, cached), specific(ddr_total, size, false), 0)
+                    };
                 match t.compute_device {
                     ComputeDevice::Cuda => hbm += input + output,
                     ComputeDevice::Cpu => {

@@ -92,8 +92,9 @@ pub enum ComputeKernel {
     /// A cache of `cache.load_factor` × rows in device memory in front of the rows in host
     /// memory (FBGEMM's UVM caching).
     FusedUvmCaching,
-    /// Rows in a key-value store on SSD with a device cache. Only considered when a table's
-    /// `compute_kernels` names it.
+    /// A cache of `cache.load_factor` x rows in device memory (on CPU: in memory) in front of
+    /// a key-value store on disk that holds only the rows written so far; a row never written
+    /// reads as its initial weights. Only considered when a table's `compute_kernels` names it.
     KeyValue,
 }
 
@@ -226,7 +227,8 @@ pub struct Constraints {
     #[serde(default)]
     pub sharding_types: Option<Vec<ShardingType>>,
     /// Allowed compute kernels. Default: all the device supports except `key_value` (and,
-    /// on CPU, `fused_uvm_caching`: a table goes to disk behind a cache only when asked).
+    /// on CPU, `fused_uvm_caching`: a table goes to disk behind a cache only when asked). On
+    /// CPU: `fused`, `fused_uvm_caching`, `key_value`; on CUDA also `fused_uvm`.
     #[serde(default)]
     pub compute_kernels: Option<Vec<ComputeKernel>>,
     /// Smallest column block for column-wise sharding (TorchRec's `min_partition`). Default:

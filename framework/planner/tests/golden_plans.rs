@@ -106,3 +106,38 @@ fn cached_tables_on_cpu_scaled_up_into_free_ddr() {
         );
     }
 }
+
+/// `key_value` on CPU (a cache in DDR before a store of the rows written, on disk): only
+/// where a table asks for it, priced and sized as the row file of `fused_uvm_caching` is
+/// (the same cache, the same misses; the disk holds at most the whole table).
+#[test]
+fn key_value_tables_on_cpu_keep_their_cache_in_ddr_and_their_rows_on_disk() {
+    let planned = |kernel: Option<ComputeKernel>| {
+        let mut t = tables(4);
+        for s in &mut t {
+            s.constraints.compute_kernels = kernel.map(|k| vec![k]);
+            s.constraints.cache = Some(CacheParams { load_factor: Some(0.2), ..Default::default() });
+        }
+        let input = PlanInput { tables: t, topology: Topology::new(2, ComputeDevice::Cpu), config: Default::default() };
+        plan(&input).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let kv = planned(Some(ComputeKernel::KeyValue));
+    let uvm = planned(Some(ComputeKernel::FusedUvmCaching));
+    assert!(planned(None).tables.iter().all(|t| t.compute_kernel == ComputeKernel::Fused), "asked for only");
+    for (a, b) in kv.tables.iter().zip(&uvm.tables) {
+        assert_eq!(a.compute_kernel, ComputeKernel::KeyValue);
+        assert_eq!(a.cache_load_factor, Some(0.2));
+        for (x, y) in a.shards.iter().zip(&b.shards) {
+            assert_eq!(x.storage, y.storage, "table {}", a.name);
+            assert_eq!(x.perf, y.perf, "table {}", a.name);
+            assert!(x.storage.ssd > 0 && x.storage.ddr < x.storage.ssd && x.storage.hbm == 0, "{:?}", x.storage);
+        }
+    }
+    // No disk, no `key_value`: the error names the constraint.
+    let mut t = tables(1);
+    t[0].constraints.compute_kernels = Some(vec![ComputeKernel::KeyValue]);
+    let mut topology = Topology::new(1, ComputeDevice::Cpu);
+    topology.ssd_cap = 0;
+    let err = plan(&PlanInput { tables: t, topology, config: Default::default() }).unwrap_err().to_string();
+    assert!(err.contains("compute_kernels") && err.contains("key_value"), "{err}");
+}

@@ -55,7 +55,8 @@ pub struct PipelineSection {
     /// rows) runs on a second thread while batch i's dense forward and backward run.
     /// `prefetch_sparse_dist`: as `sparse_dist`, and that thread also loads batch i+1's rows
     /// into the caches of cached tables (`constraints.compute_kernels =
-    /// ["fused_uvm_caching"]`), so its lookups never read the disk. Default: `base`.
+    /// ["fused_uvm_caching"]` or `["key_value"]`), so its lookups never read the disk.
+    /// Default: `base`.
     #[serde(default)]
     pub kind: PipelineKind,
     /// What the pipelines that read ahead do when an epoch's data ends: `true` trains the
@@ -400,9 +401,9 @@ pub struct EmbeddingSection {
     /// `WARNING`); `ignore` reads row 0 silently.
     #[serde(default)]
     pub bounds_check: BoundsCheckMode,
-    /// Directory of the backing files of cached tables (the `fused_uvm_caching` kernel on CPU:
-    /// the whole table on disk, a cache of `constraints.cache.load_factor` of its rows in
-    /// memory). Put it on a local SSD. The files are unlinked as soon as they are made, so
+    /// Directory of the backing files of cached tables on CPU (`fused_uvm_caching`: the whole
+    /// table on disk; `key_value`: only the rows written so far; either with a cache of
+    /// `constraints.cache.load_factor` of its rows in memory). Put it on a local SSD. The files are unlinked as soon as they are made, so
     /// nothing stays behind. Default: `offload/` in the run directory.
     #[serde(default)]
     pub offload_dir: Option<std::path::PathBuf>,

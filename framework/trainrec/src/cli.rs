@@ -485,6 +485,10 @@ pub struct DlrmArgs {
     /// (`fused_uvm_caching`, LRU). Training mode only.
     #[arg(long)]
     pub cache_load_factor: Option<f64>,
+    /// Offload with the `key_value` kernel instead of `fused_uvm_caching`: the cache in front
+    /// of a store of only the rows written so far.
+    #[arg(long, requires = "cache_load_factor")]
+    pub key_value: bool,
     /// Directory of the offloaded tables' backing files (default: the bench's temp dir).
     #[arg(long)]
     pub offload_dir: Option<PathBuf>,
@@ -812,6 +816,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
                 profile: a.profile,
                 malloc_tuning: !a.no_malloc_tuning,
                 cache_load_factor: a.cache_load_factor,
+                key_value: a.key_value,
                 offload_dir: a.offload_dir,
                 prefetch: a.prefetch,
                 zipf_alpha: a.zipf_alpha,
