@@ -506,7 +506,7 @@ fn the_shipped_two_rank_recipe_learns_the_planted_signal() {
     let path = trainrec_tests::workspace().join("recipes/dist/quickstart_2ranks.toml");
     let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     assert_eq!(loaded.recipe.topology.world_size, 2);
-    let s = trainrec::engine::dist::run_threads(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}"));
+    let s = trainrec::engine::launch::run_threads(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}"));
     // Both ranks' examples: 300 steps of 2 x 256.
     assert_eq!((s.steps, s.samples), (300, 300 * 512));
     assert!(s.eval["auc"] > 0.8, "{:?}", s.eval);
@@ -527,7 +527,7 @@ fn a_failing_rank_stops_the_others_with_its_own_error() {
     let options = LoadOptions { overrides: vec!["data.sampler.fail_at=[1, 2]".into()], env: false };
     let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
     let start = std::time::Instant::now();
-    let Err(err) = trainrec::engine::dist::run_threads(&loaded, &features, &registry) else {
+    let Err(err) = trainrec::engine::launch::run_threads(&loaded, &features, &registry) else {
         panic!("the job should fail");
     };
     // The failing rank's own error, not its peers' "rank 1 left the group", and no hang.
@@ -669,7 +669,7 @@ fn a_stage_failure_stops_the_pipeline_after_the_updates_before_it() {
         let options = LoadOptions { overrides, env: false };
         let (loaded, features) = load_and_check(&path, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
         let start = std::time::Instant::now();
-        let Err(err) = trainrec::engine::dist::run_threads(&loaded, &features, &registry) else {
+        let Err(err) = trainrec::engine::launch::run_threads(&loaded, &features, &registry) else {
             panic!("{kind} on {world} ranks: the job should fail");
         };
         assert!(err.to_string().contains("rank 0 fails on purpose"), "{kind} on {world} ranks: {err}");

@@ -12,14 +12,10 @@ use cudarc::driver::{
 use trainrec_embedding::WeightPrecision;
 
 use crate::host::{self, StepArgs};
-use crate::{CudaError, KERNELS, WARPS};
+use crate::{CudaError, KERNELS, WARPS, driver};
 
 // SAFETY: `StepArgs` is `repr(C)` plain old data with the layout of the kernels' `StepArgs`.
 unsafe impl DeviceRepr for StepArgs {}
-
-pub(crate) fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> CudaError + '_ {
-    move |e| CudaError::Driver(format!("{what}: {e:?}"))
-}
 
 /// A buffer of the backend's memory.
 pub(crate) enum Buf<T> {

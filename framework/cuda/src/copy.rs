@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use crate::CudaError;
-use crate::backend::driver;
+use crate::driver;
 
 /// Where each part of a staged batch starts in its slot: 256-byte aligned.
 const ALIGN: usize = 256;
@@ -214,13 +214,18 @@ impl Staged {
     /// Makes the default stream wait for the copy (work it gets after this sees the parts);
     /// returns each part's address in the collection's memory.
     pub fn wait(&self) -> Result<&[u64], CudaError> {
-        if let Engine::Gpu { default, .. } = &*self.engine {
-            let g = lock(&self.slot);
-            if let SlotMemory::Gpu(Some(m)) = &g.memory {
-                if let Some(e) = &m.copied {
-                    default.wait(e).map_err(driver("cuStreamWaitEvent"))?;
+        match &*self.engine {
+            Engine::Gpu { default, .. } => {
+                let g = lock(&self.slot);
+                if let SlotMemory::Gpu(Some(m)) = &g.memory {
+                    if let Some(e) = &m.copied {
+                        default.wait(e).map_err(driver("cuStreamWaitEvent"))?;
+                    }
                 }
             }
+            // The emulator copies at once: nothing to wait for.
+            #[cfg(feature = "emulator")]
+            Engine::Emulator => {}
         }
         Ok(&self.addrs)
     }

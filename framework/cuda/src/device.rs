@@ -12,8 +12,9 @@ use trainrec_embedding::{
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::CudaError;
-use crate::backend::{Arg, Backend, Buf, Kernel, driver};
+use crate::backend::{Arg, Backend, Buf, Kernel};
 use crate::copy::{CopyStream, Staged};
+use crate::driver;
 use crate::host::{self, Layout, StepArgs, StoredWeights, TableSpec};
 
 /// The GPU a CUDA collection runs on.

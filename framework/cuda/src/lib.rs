@@ -59,3 +59,8 @@ pub enum CudaError {
     #[error(transparent)]
     Embedding(#[from] trainrec_embedding::EmbeddingError),
 }
+
+/// Turns a CUDA driver error of call `what` into a [`CudaError::Driver`] naming the call.
+pub(crate) fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> CudaError + '_ {
+    move |e| CudaError::Driver(format!("{what}: {e:?}"))
+}

@@ -23,8 +23,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use crate::columns::LabelColumns;
 use crate::criteo::{NUM_DENSE, NUM_SPARSE};
-use crate::parquet::LabelColumns;
 use crate::{
     BadRowPolicy, CriteoBinaryConfig, CriteoBinarySampler, CriteoTsvConfig, CriteoTsvSampler, CsvConfig, CsvSampler,
     DataError, ParquetConfig, ParquetSampler, Sampler, SamplerContext, Split,

@@ -5,8 +5,30 @@
 
 use std::collections::BTreeMap;
 
-use crate::parquet::LabelColumns;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
 use crate::{DataError, FeatureSchema, stream};
+
+/// One label column or several (one per task of a multi-task job).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum LabelColumns {
+    /// A single label column.
+    One(String),
+    /// Several label columns, in `Batch::labels` order.
+    Many(Vec<String>),
+}
+
+impl LabelColumns {
+    /// The column names.
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            LabelColumns::One(c) => vec![c.clone()],
+            LabelColumns::Many(c) => c.clone(),
+        }
+    }
+}
 
 /// What a column is used for (decides the types a Parquet column may have).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,23 +18,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::stream::{self, RowBlock, Shard, SplitRows, TextChunk};
+use crate::stream::{self, BadRowPolicy, RowBlock, Shard, SplitRows, TextChunk};
 use crate::{BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 
 /// Dense columns in the Criteo layout.
 pub const NUM_DENSE: usize = 13;
 /// Categorical columns in the Criteo layout.
 pub const NUM_SPARSE: usize = 26;
-
-/// What to do with a malformed row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum BadRowPolicy {
-    /// Skip it, count it, and log the first few with file:line.
-    Skip,
-    /// Stop with an error naming file:line and what is wrong.
-    Fail,
-}
 
 /// The raw Criteo Kaggle / Terabyte TSV layout, streamed line by line. `[data.sampler]` with
 /// `kind = "criteo_tsv"`.

@@ -39,8 +39,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::columns::LabelColumns;
 use crate::columns::{ColumnIndexes, column_keys};
-use crate::parquet::{DenseTransform, LabelColumns, expand, string_id};
+use crate::parquet::{DenseTransform, expand, string_id};
 use crate::stream::{self, RowBlock, Shard, SplitRows, TextChunk};
 use crate::{BadRowPolicy, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 

@@ -30,10 +30,11 @@ use std::path::PathBuf;
 
 pub use crate::parquet::{ParquetConfig, ParquetSampler};
 pub use bench::{BenchOptions, BenchReport, BenchResult, bench_readers};
-pub use criteo::{BadRowPolicy, CriteoTsvConfig, CriteoTsvSampler};
+pub use criteo::{CriteoTsvConfig, CriteoTsvSampler};
 pub use criteo_binary::{CriteoBinaryConfig, CriteoBinarySampler};
 pub use csv::{CsvConfig, CsvSampler};
 pub use movielens::{MovieLensConfig, MovieLensFormat, MovieLensLabel, MovieLensSampler, MovieLensSplit};
+pub use stream::BadRowPolicy;
 pub use synthetic::{IdDistribution, SyntheticConfig, SyntheticSampler};
 use trainrec_sparse::KeyedJaggedTensor;
 

@@ -37,29 +37,9 @@ use ::parquet::schema::types::SchemaDescriptor;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::columns::{ColumnIndexes, Role, column_keys};
+use crate::columns::{ColumnIndexes, LabelColumns, Role, column_keys};
 use crate::stream::{self, RowBlock, Shard, SplitRows};
 use crate::{BadRowPolicy, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
-
-/// One label column or several (one per task of a multi-task job).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(untagged)]
-pub enum LabelColumns {
-    /// A single label column.
-    One(String),
-    /// Several label columns, in `Batch::labels` order.
-    Many(Vec<String>),
-}
-
-impl LabelColumns {
-    /// The column names.
-    pub fn names(&self) -> Vec<String> {
-        match self {
-            LabelColumns::One(c) => vec![c.clone()],
-            LabelColumns::Many(c) => c.clone(),
-        }
-    }
-}
 
 /// A transform of the dense values.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -23,9 +23,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{BadRowPolicy, Batch, BatchStream, DataError, FeatureSchema, SamplerContext, Split};
+use crate::{Batch, BatchStream, DataError, FeatureSchema, SamplerContext, Split};
+
+/// What to do with a malformed row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BadRowPolicy {
+    /// Skip it, count it, and log the first few with file:line.
+    Skip,
+    /// Stop with an error naming file:line and what is wrong.
+    Fail,
+}
 
 /// Parsed chunks each worker may queue ahead of the consumer.
 pub const QUEUE_DEPTH: usize = 2;

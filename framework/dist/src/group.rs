@@ -288,3 +288,8 @@ pub(crate) fn check_root(op: &'static str, root: usize, world: usize) -> Result<
     }
     Ok(())
 }
+
+/// An error of a local collection (a module of the sharded collection) as a [`DistError`].
+pub(crate) fn module<E: std::fmt::Display>(e: E) -> DistError {
+    DistError::Module(e.to_string())
+}

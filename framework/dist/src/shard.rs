@@ -13,7 +13,7 @@ use std::sync::Arc;
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection};
 use trainrec_planner::Plan;
 
-use crate::sharded::LocalTables;
+use crate::shard_engine::LocalTables;
 use crate::{DistError, ProcessGroup, ShardedEbc, ShardedEc, TableSharding};
 
 /// Where each table goes, by table name (TorchRec's per-parameter sharding plan).

@@ -11,7 +11,7 @@ use trainrec_embedding::{CacheStats, EmbeddingBagCollection, RowBlock};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::group::DistError;
-use crate::sharded::{LocalTables, module};
+use crate::group::module;
 
 /// One rank's tables (its shards, or its data-parallel replicas) and the kernels over them.
 /// Every method takes and returns host memory; names are the local tables' (shards are named
@@ -145,3 +145,40 @@ impl LocalTables for Box<dyn ShardEngine> {
         self.set_step_count(name, n)
     }
 }
+
+/// The state of a local collection's tables, by local table name.
+pub(crate) trait LocalTables {
+    fn weights(&self, name: &str) -> Option<Vec<f32>>;
+    fn state(&self, name: &str) -> Option<Vec<f32>>;
+    fn steps(&self, name: &str) -> Option<u64>;
+    fn set_weights(&mut self, name: &str, w: Vec<f32>) -> Result<(), DistError>;
+    fn set_state(&mut self, name: &str, s: Vec<f32>) -> Result<(), DistError>;
+    fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError>;
+}
+
+macro_rules! local_tables {
+    ($t:ty) => {
+        impl LocalTables for $t {
+            fn weights(&self, name: &str) -> Option<Vec<f32>> {
+                self.table_weights(name)
+            }
+            fn state(&self, name: &str) -> Option<Vec<f32>> {
+                self.optimizer_state(name)
+            }
+            fn steps(&self, name: &str) -> Option<u64> {
+                self.step_count(name)
+            }
+            fn set_weights(&mut self, name: &str, w: Vec<f32>) -> Result<(), DistError> {
+                self.set_table_weights(name, w).map_err(module)
+            }
+            fn set_state(&mut self, name: &str, s: Vec<f32>) -> Result<(), DistError> {
+                self.set_optimizer_state(name, s).map_err(module)
+            }
+            fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError> {
+                self.set_step_count(name, n).map_err(module)
+            }
+        }
+    };
+}
+local_tables!(EmbeddingBagCollection);
+local_tables!(trainrec_embedding::EmbeddingCollection);

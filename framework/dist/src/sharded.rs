@@ -46,8 +46,9 @@ use trainrec_embedding::{
 use trainrec_planner::{ShardingType, TablePlan};
 use trainrec_sparse::KeyedJaggedTensor;
 
+use crate::group::module;
 use crate::group::{DistError, ProcessGroup, ProcessGroupExt, offsets};
-use crate::shard_engine::ShardEngine;
+use crate::shard_engine::{LocalTables, ShardEngine};
 
 /// One block of a table on one rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -578,43 +579,6 @@ pub struct LocalShard {
     pub step_count: u64,
 }
 
-/// The state of a local collection's tables, by local table name.
-pub(crate) trait LocalTables {
-    fn weights(&self, name: &str) -> Option<Vec<f32>>;
-    fn state(&self, name: &str) -> Option<Vec<f32>>;
-    fn steps(&self, name: &str) -> Option<u64>;
-    fn set_weights(&mut self, name: &str, w: Vec<f32>) -> Result<(), DistError>;
-    fn set_state(&mut self, name: &str, s: Vec<f32>) -> Result<(), DistError>;
-    fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError>;
-}
-
-macro_rules! local_tables {
-    ($t:ty) => {
-        impl LocalTables for $t {
-            fn weights(&self, name: &str) -> Option<Vec<f32>> {
-                self.table_weights(name)
-            }
-            fn state(&self, name: &str) -> Option<Vec<f32>> {
-                self.optimizer_state(name)
-            }
-            fn steps(&self, name: &str) -> Option<u64> {
-                self.step_count(name)
-            }
-            fn set_weights(&mut self, name: &str, w: Vec<f32>) -> Result<(), DistError> {
-                self.set_table_weights(name, w).map_err(module)
-            }
-            fn set_state(&mut self, name: &str, s: Vec<f32>) -> Result<(), DistError> {
-                self.set_optimizer_state(name, s).map_err(module)
-            }
-            fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError> {
-                self.set_step_count(name, n).map_err(module)
-            }
-        }
-    };
-}
-local_tables!(EmbeddingBagCollection);
-local_tables!(trainrec_embedding::EmbeddingCollection);
-
 /// The tables of a sharded collection on one rank (either kind of collection): their configs,
 /// shardings and local table names.
 pub(crate) struct Parts<'a> {
@@ -794,10 +758,6 @@ impl Parts<'_> {
         }
         Ok(())
     }
-}
-
-pub(crate) fn module<E: std::fmt::Display>(e: E) -> DistError {
-    DistError::Module(e.to_string())
 }
 
 impl ShardedEbc {

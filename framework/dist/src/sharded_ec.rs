@@ -25,10 +25,10 @@ use std::sync::Arc;
 use trainrec_embedding::{EmbeddingBagConfig, EmbeddingCollection, SequenceEmbeddings, SparseOptimizerConfig};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::group::{DistError, ProcessGroup, ProcessGroupExt};
+use crate::group::{DistError, ProcessGroup, ProcessGroupExt, module};
 use crate::sharded::{
     Layout, LocalShard, Output, Route, check_shardings, initial_replica_weights, initial_shard_weights,
-    merge_by_source, module, parts, resolve_inputs,
+    merge_by_source, parts, resolve_inputs,
 };
 use crate::{StepTimes, TableSharding};
 

@@ -1,5 +1,6 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 
 /// How the ids of one bag are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -349,4 +350,42 @@ impl StatePart {
             Self::PerRow => 1,
         }
     }
+}
+
+/// Which unpinned resident row a full cache evicts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CachePolicy {
+    /// The row whose last use is oldest.
+    #[default]
+    Lru,
+    /// The row used by the fewest batches so far (counted over the whole run, resident or
+    /// not: FBGEMM's LFU), the oldest last use among equals.
+    Lfu,
+}
+
+/// What holds the rows a cache's slots do not: both are memory-mapped files on disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CacheBacking {
+    /// One record per table row, in a file made and filled with the initial weights when the
+    /// table is built (TorchRec's `fused_uvm_caching`, its UVM host memory here a file).
+    #[default]
+    Rows,
+    /// A key-value store of the rows written so far (evicted dirty, or set), in files that
+    /// grow as rows come; a row not stored reads as its initial weights and zero state
+    /// (TorchRec's `key_value`, an SSD store). Nothing is written when the table is built.
+    KeyValue,
+}
+
+/// A table's cache: `slots` rows in memory in front of the whole table in a file under `dir`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheConfig {
+    /// Rows the cache holds, in `1..=rows` (TorchRec: load factor × rows).
+    pub slots: u64,
+    /// Eviction policy.
+    pub policy: CachePolicy,
+    /// The backing store.
+    pub backing: CacheBacking,
+    /// Directory of the backing file. The file is unlinked as soon as it is mapped: nothing
+    /// stays behind, even after a crash.
+    pub dir: PathBuf,
 }

@@ -24,12 +24,13 @@ mod tbe;
 #[cfg(test)]
 mod tests;
 
-pub use cache::{CacheBacking, CacheConfig, CachePolicy, CacheStats, RowCache, SlotStore};
+pub use cache::{CacheStats, RowCache, SlotStore};
 pub use collection::{id_out_of_range, initial_weights, resolve_inputs};
 pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, WeightDecayMode,
     WeightPrecision, defaults,
 };
+pub use config::{CacheBacking, CacheConfig, CachePolicy};
 pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};
 pub use optim::{OptimizerKind, StepConstants};

@@ -301,10 +301,10 @@ impl Parts {
         let recipe = &loaded.recipe;
         crate::configure_threads(recipe.run.threads);
         tch::manual_seed(recipe.run.seed as i64);
-        let ebc = crate::job::recipe_ebc(recipe).map_err(|e| e.to_string())?;
+        let ebc = crate::inputs::recipe_ebc(recipe).map_err(|e| e.to_string())?;
         let vs = nn::VarStore::new(Device::Cpu);
-        let (sparse, sparse_dim_keys) = crate::check::sparse_outputs(recipe);
-        let num_tasks = crate::check::job_tasks(recipe, features).len();
+        let (sparse, sparse_dim_keys) = crate::inputs::sparse_outputs(recipe);
+        let num_tasks = crate::inputs::job_tasks(recipe, features).len();
         let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
         let kind = recipe.model.kind().unwrap_or_default();
         let factory = registry.model_for(kind).ok_or_else(|| format!("no model {kind}"))?;
@@ -599,7 +599,7 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
     };
     let dense_params: i64 = {
         let vs = nn::VarStore::new(Device::Cpu);
-        let (sparse, sparse_dim_keys) = crate::check::sparse_outputs(&loaded.recipe);
+        let (sparse, sparse_dim_keys) = crate::inputs::sparse_outputs(&loaded.recipe);
         let inputs = ModelInputs { num_dense: b.num_dense, sparse, sparse_dim_keys, num_tasks: 1 };
         if let Some(f) = registry.model_for("dlrm") {
             let _ = f.build(&vs.root(), &loaded.recipe.model.config(), &inputs);

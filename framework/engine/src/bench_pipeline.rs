@@ -162,8 +162,9 @@ pub fn run_rank(b: &PipelineBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<S
 
 /// [`run_rank`] on `world` ranks of the thread backend (one process).
 pub fn run_threads(b: &PipelineBench, world: usize) -> Result<String, String> {
-    let out =
-        trainrec_dist::ThreadGroup::run(world.max(1), crate::dist::COLLECTIVE_TIMEOUT, |pg| run_rank(b, Arc::new(pg)));
+    let out = trainrec_dist::ThreadGroup::run(world.max(1), crate::runtime::COLLECTIVE_TIMEOUT, |pg| {
+        run_rank(b, Arc::new(pg))
+    });
     let mut line = None;
     for (rank, r) in out.into_iter().enumerate() {
         match r {

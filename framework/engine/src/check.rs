@@ -3,12 +3,15 @@
 
 use std::path::Path;
 
+use trainrec_recipe::plan::plan_diagnostic;
+
 use trainrec_data::{DataError, FeatureSchema};
 use trainrec_models::ModelInputs;
 use trainrec_recipe::{
     Diagnostic, Diagnostics, KeyPath, LoadOptions, LoadedRecipe, Recipe, check_plugin_section, check_semantics,
 };
 
+use crate::inputs::{recipe_plan, recipe_plan_input, sparse_outputs};
 use crate::registry::Registry;
 
 /// Converts a sampler config error into a diagnostic under `data.sampler`.
@@ -21,19 +24,6 @@ pub fn data_config_diagnostic(e: &DataError) -> Option<Diagnostic> {
         }
         _ => None,
     }
-}
-
-/// The pooled outputs of the embedding tables: (name, dim) and the key of each one's dim.
-pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
-    let mut outputs = Vec::new();
-    let mut keys = Vec::new();
-    for (t, table) in recipe.tables.iter().enumerate() {
-        for f in &table.features {
-            outputs.push((f.clone(), table.dim));
-            keys.push(KeyPath::root().key("tables").index(t).key("dim"));
-        }
-    }
-    (outputs, keys)
 }
 
 /// Checks everything the registry knows about; returns the sampler's features when sound.
@@ -82,11 +72,11 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
             if model_checks.is_empty() && ranks {
                 // Retrieval metrics need a model that embeds candidates apart: ask a scratch copy.
                 let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-                let built = crate::job::with_torch_seed(0, || {
+                let built = crate::runtime::with_torch_seed(0, || {
                     tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs))
                 });
                 if let Ok(model) = built {
-                    if let Err(d) = crate::job::retrieval_spec(recipe, model.as_ref()) {
+                    if let Err(d) = crate::inputs::retrieval_spec(recipe, model.as_ref()) {
                         problems.push(d);
                     }
                 }
@@ -98,29 +88,12 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     if problems.is_empty() {
         // The planner runs last: it needs sound tables, features and model.
         let features = features.expect("a sound sampler section yields features");
-        problems.extend(crate::plan::plan_problems(recipe, &loaded.base_dir, &features, registry));
+        problems.extend(plan_problems(recipe, &loaded.base_dir, &features, registry));
         if problems.is_empty() {
             return Ok(features);
         }
     }
     Err(loaded.locate(problems))
-}
-
-/// The job's tasks: (name, index of its label column in the sampler's labels). Without
-/// `[[tasks]]`, one task per label column. A task whose column is unknown is left out (and
-/// reported by [`check_loaded`]).
-pub fn job_tasks(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Vec<(String, usize)> {
-    if recipe.tasks.is_empty() {
-        return features.labels.iter().enumerate().map(|(i, l)| (l.clone(), i)).collect();
-    }
-    recipe
-        .tasks
-        .iter()
-        .filter_map(|t| {
-            let col = features.labels.iter().position(|l| l == t.label_column())?;
-            Some((t.name.clone(), col))
-        })
-        .collect()
 }
 
 /// `[[tasks]]` naming label columns the sampler does not have.
@@ -221,7 +194,23 @@ pub fn load_and_check(
     let loaded = trainrec_recipe::load(path, options)?;
     // The thread pools are sized once per process, before any parallel work: checking runs
     // the planner (rayon), so `run.threads` must take effect here, not at `Job::build`.
-    crate::job::configure_threads(loaded.recipe.run.threads);
+    crate::runtime::configure_threads(loaded.recipe.run.threads);
     let features = check_loaded(&loaded, registry)?;
     Ok((loaded, features))
+}
+
+/// Planner problems of a recipe that passed every other check, as diagnostics.
+fn plan_problems(recipe: &Recipe, base_dir: &Path, features: &FeatureSchema, registry: &Registry) -> Vec<Diagnostic> {
+    let input = recipe_plan_input(recipe, features, registry);
+    if let Err(e) = trainrec_planner::check_topology(&input.topology, &input.config) {
+        return vec![plan_diagnostic(&e)];
+    }
+    let table_errors = trainrec_planner::check_tables(&input.tables, &input.topology, input.config.cost_model);
+    if !table_errors.is_empty() {
+        return table_errors.iter().map(plan_diagnostic).collect();
+    }
+    match recipe_plan(&input, recipe, base_dir, false) {
+        Ok(_) => Vec::new(),
+        Err(e) => vec![plan_diagnostic(&e)],
+    }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use tch::nn;
 use trainrec_dist::{LocalShard, Module, ProcessGroup, ShardedModule, ShardingPlan, shard_modules};
 
-use crate::dist::{DEFAULT_BUCKET_MIB, DataParallel};
+use crate::data_parallel::{DEFAULT_BUCKET_MIB, DataParallel};
 use crate::error::EngineError;
 
 /// One named entry of a model's state: a dense parameter, or this rank's shard of an

@@ -50,3 +50,11 @@ pub enum EngineError {
     #[error("internal error (please report): {0}")]
     Internal(String),
 }
+
+/// A batch's sparse features that cannot be laid out (a variable-batch KJT whose inverse
+/// indices do not fit) are the data's fault, as the old engine reported them.
+impl From<trainrec_sparse::SparseError> for EngineError {
+    fn from(e: trainrec_sparse::SparseError) -> Self {
+        Self::Data(e.into())
+    }
+}

@@ -82,7 +82,7 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| EngineError::Io { path: parent.to_path_buf(), source: e })?;
     }
-    crate::job::write_atomic(out, &bytes)?;
+    crate::run_dir::write_atomic(out, &bytes)?;
     Ok(ExportSummary {
         checkpoint: dir.to_path_buf(),
         step: ck.manifest.step,

@@ -1,28 +1,47 @@
 //! Builds a training job from a recipe and runs it: the only part that knows all the others.
+//!
+//! The modules, in the order of a job:
+//! - runtime: [`runtime`] (thread pools, libtorch's seeded generator);
+//! - inputs: [`inputs`] (the recipe as each part sees it, the plan), [`check`] (validation);
+//! - parts: `sparse_arch` (the tables on any backend), [`data_parallel`] (the dense model
+//!   across ranks), `gpu` (one GPU per rank), `managed_collisions` (raw ids to rows);
+//! - pipeline: `pipeline` (the step and what runs ahead of it);
+//! - job: [`job`] (build, train loop), `job_metrics` (metric suites, evaluation),
+//!   [`run_dir`] (the run directory), [`checkpoint`] (save and resume), [`export`];
+//! - launch: [`launch`] (one rank, thread ranks, MPI ranks);
+//! - for programs that drive their own steps: [`dmp`].
 
 pub mod bench;
 pub mod bench_pipeline;
 pub mod check;
 pub mod checkpoint;
-mod cuda;
-pub mod dist;
+pub mod data_parallel;
 pub mod dmp;
 pub mod error;
 pub mod export;
+mod gpu;
+pub mod inputs;
 pub mod job;
-mod mc;
-pub mod plan;
+mod job_metrics;
+pub mod launch;
+mod managed_collisions;
+mod pipeline;
 pub mod reference;
+pub mod run_dir;
+pub mod runtime;
+mod sparse_arch;
 pub mod tensors;
 /// The registry lives in the plugin crate (plugin authors depend on that crate alone).
 pub use trainrec_plugin::registry;
 
 pub use check::{check_loaded, load_and_check};
-pub use cuda::preload_torch_cuda;
-pub use dist::DataParallel;
+pub use data_parallel::DataParallel;
 pub use dmp::{DistributedModelParallel, StateEntry};
 pub use error::EngineError;
-pub use job::{Job, RunSummary, configure_threads, with_torch_seed};
+pub use gpu::preload_torch_cuda;
+pub use job::Job;
+pub use run_dir::RunSummary;
+pub use runtime::{configure_threads, with_torch_seed};
 pub use trainrec_plugin::{
     MetricFactory, Registry, RegistryError, SamplerFactory, TypedMetric, TypedModel, TypedSampler,
 };

@@ -5,7 +5,8 @@
 
 use std::sync::LazyLock;
 
-use crate::ne::NE_ETA;
+/// The clamp TorchRec applies to predictions, the mean label and denominators (`eta`).
+pub const NE_ETA: f64 = 1e-12;
 
 const LANES: usize = 8;
 

@@ -1,10 +1,8 @@
 //! Normalized entropy and log loss (TorchRec `torchrec/metrics/ne.py`).
 
+use crate::kernels::NE_ETA;
 use crate::state::{of_kind, with_kind};
 use crate::{Metric, MetricError, MetricState, validate_batch};
-
-/// The clamp TorchRec applies to predictions, the mean label and denominators (`eta`).
-pub const NE_ETA: f64 = 1e-12;
 
 /// One sample's weighted cross entropy in bits, `-w y log2(q) - w (1 - y) log2(1 - q)` with
 /// `q` the prediction clamped to `[eta, 1 - eta]`. A hard label zeroes one term, whose

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 
 use crate::ne::{logloss_from_sums, ne_from_sums};
 use crate::state::{limit_array, of_kind, with_kind};
-use crate::{Metric, MetricError, MetricState, kernels, validate_batch, weight_at};
+use crate::{Metric, MetricError, MetricState, TaskBatch, kernels, validate_batch, weight_at};
 
 /// TorchRec's `MAX_BUFFER_COUNT`: updates a window remembers at most.
 pub const MAX_WINDOW_UPDATES: usize = 1000;
@@ -383,32 +383,6 @@ impl Metric for SumMetric {
 
     fn load_state(&mut self, state: &MetricState) -> Result<(), MetricError> {
         self.load(&self.output_names().join(","), state)
-    }
-}
-
-/// One batch of one task.
-#[derive(Clone, Copy, Debug)]
-pub struct TaskBatch<'a> {
-    /// Predicted probabilities (or regression outputs).
-    pub predictions: &'a [f32],
-    /// Labels.
-    pub labels: &'a [f32],
-    /// Sample weights (`None`: all 1).
-    pub weights: Option<&'a [f32]>,
-    /// A grouping key per sample (user, query or session id), for the metrics that rank
-    /// within groups; `None` for the others.
-    pub groups: Option<&'a [i64]>,
-}
-
-impl<'a> TaskBatch<'a> {
-    /// A batch without grouping keys.
-    pub fn new(predictions: &'a [f32], labels: &'a [f32], weights: Option<&'a [f32]>) -> Self {
-        Self { predictions, labels, weights, groups: None }
-    }
-
-    /// The same batch with grouping keys.
-    pub fn with_groups(self, groups: &'a [i64]) -> Self {
-        Self { groups: Some(groups), ..self }
     }
 }
 

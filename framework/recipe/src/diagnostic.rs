@@ -184,7 +184,7 @@ impl Diagnostics {
     /// Sorted by where they were written (file, line, column; then environment and `--set`
     /// overrides), keeping the check order among equals.
     pub fn sorted(mut self) -> Self {
-        self.0.sort_by_key(|d| crate::load::origin_order(&d.origin));
+        self.0.sort_by_key(|d| origin_order(&d.origin));
         self
     }
 }
@@ -205,6 +205,17 @@ pub fn suggest(word: &str, what: &str, candidates: &[&str]) -> String {
     match did_you_mean(word, candidates.iter().copied()) {
         Some(best) => format!("did you mean `{best}`? valid {what}: {list}"),
         None => format!("valid {what}: {list}"),
+    }
+}
+
+/// Sort key of a diagnostic's origin: files first (by path, line, column), then environment
+/// variables, `--set` overrides and unknown origins.
+fn origin_order(o: &Origin) -> (u8, String, usize, usize) {
+    match o {
+        Origin::File { path, line, column } => (0, path.display().to_string(), *line, *column),
+        Origin::Env(v) => (1, v.clone(), 0, 0),
+        Origin::Set(a) => (2, a.clone(), 0, 0),
+        Origin::Unknown => (3, String::new(), 0, 0),
     }
 }
 

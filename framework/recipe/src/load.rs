@@ -313,15 +313,6 @@ pub fn load_valid(path: &Path, options: &LoadOptions) -> Result<LoadedRecipe, Di
     if problems.is_empty() { Ok(loaded) } else { Err(loaded.locate(problems)) }
 }
 
-pub(crate) fn origin_order(o: &Origin) -> (u8, String, usize, usize) {
-    match o {
-        Origin::File { path, line, column } => (0, path.display().to_string(), *line, *column),
-        Origin::Env(v) => (1, v.clone(), 0, 0),
-        Origin::Set(a) => (2, a.clone(), 0, 0),
-        Origin::Unknown => (3, String::new(), 0, 0),
-    }
-}
-
 impl Sources {
     fn locate_all(&self, diagnostics: Vec<Diagnostic>) -> Diagnostics {
         Diagnostics(

@@ -240,6 +240,23 @@ impl KeyedJaggedTensor {
     pub fn variable_stride_per_key(&self) -> bool {
         self.stride_per_key_per_rank.is_some()
     }
+    /// Examples in the batch: a variable-batch KJT's `inverse_indices` length, otherwise the
+    /// stride.
+    pub fn examples(&self) -> usize {
+        match self.inverse_indices() {
+            Some(inv) if self.variable_stride_per_key() => inv.indices.first().map_or(0, Vec::len),
+            _ => self.stride(),
+        }
+    }
+    /// This KJT with one bag per example: a variable-batch KJT expanded by its
+    /// `inverse_indices` ([`Self::expand_vbe`]), any other borrowed as it is (no copy).
+    pub fn full_batch(&self) -> Result<std::borrow::Cow<'_, Self>, SparseError> {
+        if self.variable_stride_per_key() {
+            Ok(std::borrow::Cow::Owned(self.expand_vbe()?))
+        } else {
+            Ok(std::borrow::Cow::Borrowed(self))
+        }
+    }
     /// Position of `key`.
     pub fn key_index(&self, key: &str) -> Option<usize> {
         self.keys.iter().position(|k| k == key)
@@ -569,6 +586,21 @@ mod tests {
             err(KeyedJaggedTensor::new_vbe(keys(&["a"]), vec![1, 2], None, vec![1, 1], vec![vec![1, 1]], Some(inv)))
                 .contains("out of range")
         );
+    }
+
+    #[test]
+    fn full_batch_expands_only_variable_batches() {
+        let plain = sample(false);
+        assert_eq!(plain.examples(), 2);
+        assert!(matches!(plain.full_batch().unwrap(), std::borrow::Cow::Borrowed(_)));
+        // Key a: bags [1] and [2] for 3 examples (example 1 repeats bag 0, example 2 reads bag 1).
+        let inv = InverseIndices { keys: keys(&["a"]), indices: vec![vec![0, 0, 1]] };
+        let vbe =
+            KeyedJaggedTensor::new_vbe(keys(&["a"]), vec![1, 2], None, vec![1, 1], vec![vec![2]], Some(inv)).unwrap();
+        assert_eq!(vbe.examples(), 3);
+        let full = vbe.full_batch().unwrap();
+        assert!(matches!(full, std::borrow::Cow::Owned(_)));
+        assert_eq!((full.values(), full.lengths(), full.examples()), (&[1, 1, 2][..], &[1, 1, 1][..], 3));
     }
 
     #[test]

@@ -950,7 +950,7 @@ fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> 
 fn bench_dist(b: &trainrec_dist::bench::DistBench, world: usize) -> ExitCode {
     // As `trainrec run` does: the step's large buffers reuse mapped pages.
     trainrec_engine::tensors::tune_allocator();
-    if trainrec_engine::dist::mpirun_world_size().is_some() {
+    if trainrec_engine::launch::mpirun_world_size().is_some() {
         #[cfg(feature = "mpi")]
         {
             let run = || -> Result<Option<String>, trainrec_dist::DistError> {
@@ -973,7 +973,7 @@ fn bench_dist(b: &trainrec_dist::bench::DistBench, world: usize) -> ExitCode {
 
 /// `bench pipeline` on threads, or as this process's rank under `mpirun` (rank 0 prints).
 fn bench_pipeline(b: &trainrec_engine::bench_pipeline::PipelineBench, world: usize) -> ExitCode {
-    if trainrec_engine::dist::mpirun_world_size().is_some() {
+    if trainrec_engine::launch::mpirun_world_size().is_some() {
         #[cfg(feature = "mpi")]
         {
             let run = || -> Result<Option<String>, String> {
@@ -1070,8 +1070,8 @@ fn plan(registry: &Registry, path: &std::path::Path, out: Option<PathBuf>, optio
         }
     };
     let recipe = &loaded.recipe;
-    let input = trainrec_engine::plan::recipe_plan_input(recipe, &features, registry);
-    let plan = match trainrec_engine::plan::recipe_plan(&input, recipe, &loaded.base_dir, true) {
+    let input = trainrec_engine::inputs::recipe_plan_input(recipe, &features, registry);
+    let plan = match trainrec_engine::inputs::recipe_plan(&input, recipe, &loaded.base_dir, true) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("{}", loaded.locate(vec![trainrec_recipe::plan::plan_diagnostic(&e)]));
@@ -1099,7 +1099,7 @@ fn run_mpi(
     registry: &Registry,
     resume: Option<&std::path::Path>,
 ) -> Result<Option<trainrec_engine::RunSummary>, EngineError> {
-    trainrec_engine::dist::run_mpi(loaded, features, registry, resume)
+    trainrec_engine::launch::run_mpi(loaded, features, registry, resume)
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -1386,18 +1386,18 @@ fn run(
     // Training allocates the same large tensors every step: keep their pages mapped.
     let tuned = trainrec_engine::tensors::tune_allocator();
     tracing::debug!(tuned, "allocator tuning");
-    let result = match (loaded.recipe.topology.world_size, trainrec_engine::dist::mpirun_world_size()) {
+    let result = match (loaded.recipe.topology.world_size, trainrec_engine::launch::mpirun_world_size()) {
         // Started by `mpirun`: this process is one rank (the MPI backend).
         (_, Some(_)) => run_mpi(&loaded, &features, registry, resume),
         // One rank per thread of this process (the in-process backend).
-        (w, None) if w > 1 => trainrec_engine::dist::run_threads_from(&loaded, &features, registry, resume).map(Some),
-        _ => trainrec_engine::dist::run_local(&loaded, &features, registry, resume).map(Some),
+        (w, None) if w > 1 => trainrec_engine::launch::run_threads_from(&loaded, &features, registry, resume).map(Some),
+        _ => trainrec_engine::launch::run_local(&loaded, &features, registry, resume).map(Some),
     };
     match result {
         // Ranks other than 0 of an MPI job report nothing.
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(summary)) => {
-            println!("{}", trainrec_engine::job::summary_table(&summary));
+            println!("{}", trainrec_engine::run_dir::summary_table(&summary));
             ExitCode::SUCCESS
         }
         Err(EngineError::Recipe(diags)) => {

@@ -164,7 +164,7 @@ pub(crate) fn nccl_group(
     gpu: usize,
     loaded: &LoadedRecipe,
 ) -> Result<std::sync::Arc<dyn trainrec_dist::ProcessGroup>, EngineError> {
-    let group = trainrec_dist::NcclGroup::new(bootstrap, gpu, crate::dist::COLLECTIVE_TIMEOUT).map_err(|e| {
+    let group = trainrec_dist::NcclGroup::new(bootstrap, gpu, crate::runtime::COLLECTIVE_TIMEOUT).map_err(|e| {
         diagnostic(
             loaded,
             KeyPath::root().key("topology").key("compute_device"),

@@ -25,8 +25,8 @@ use trainrec_planner::{Plan, ShardingType};
 use trainrec_recipe::{FeatureRef, McPolicy, Recipe};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::dist::SparseArch;
 use crate::error::EngineError;
+use crate::sparse_arch::SparseArch;
 
 /// One module of a table.
 /// Its raw ids are block `i` of [`McTable::raw_block`] ids, `i` its index.
@@ -471,7 +471,7 @@ impl McTables {
                     [s.lookups, s.fallbacks, s.tracked, s.capacity, s.last_evictions]
                 })
                 .collect();
-            crate::dist::sum_counts(pg, &mut counts)?;
+            crate::data_parallel::sum_counts(pg, &mut counts)?;
             for (t, c) in owned.iter().zip(counts.chunks(5)) {
                 let s = stats.get_mut(&t.name).expect("every table has statistics");
                 (s.lookups, s.fallbacks, s.tracked, s.capacity, s.last_evictions) = (c[0], c[1], c[2], c[3], c[4]);

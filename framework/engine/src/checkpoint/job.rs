@@ -1,4 +1,4 @@
-//! A job's checkpoints: what [`Job`] saves (see [`crate::checkpoint`] for the format) and how
+//! A job's checkpoints: what [`Job`] saves (see [`super::format`] for the format) and how
 //! it resumes from them.
 //!
 //! Tensor names in the checkpoint:
@@ -16,7 +16,6 @@
 //! `state`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -24,50 +23,10 @@ use trainrec_embedding::StatePart;
 use trainrec_embedding::mc::{McState, McStats};
 use trainrec_metrics::{MetricState, MetricSuite, ThroughputMetric};
 
-use super::Job;
-use crate::checkpoint::{Checkpoint, CheckpointError, Contents, Header, TensorData};
+use super::format::{Checkpoint, CheckpointError, Contents, Header, TensorData};
 use crate::error::EngineError;
-
-/// Where the training loop stands: saved with every checkpoint and restored on resume. Floats
-/// are kept as their bits (JSON has no NaN, and the values must come back exactly).
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(super) struct Progress {
-    /// Steps taken.
-    pub step: u64,
-    /// Examples seen (every rank's).
-    pub samples: u64,
-    /// The epoch in progress.
-    pub epoch: u64,
-    /// Batches this rank read in that epoch.
-    pub in_epoch: u64,
-    /// Ranks that read them.
-    pub world_size: usize,
-    /// The loss window: sum (bits) and steps.
-    pub window_sum: u64,
-    /// Steps in the loss window.
-    pub window_count: u64,
-    /// The first reported mean loss (bits).
-    pub first_loss: Option<u64>,
-    /// The last reported mean loss (bits).
-    pub last_loss: u64,
-    /// The last evaluation's values (bits).
-    pub last_eval: Option<BTreeMap<String, u64>>,
-}
-
-impl Progress {
-    pub(super) fn window(&self) -> (f64, u64) {
-        (f64::from_bits(self.window_sum), self.window_count)
-    }
-    pub(super) fn set_window(&mut self, (sum, n): (f64, u64)) {
-        (self.window_sum, self.window_count) = (sum.to_bits(), n);
-    }
-    pub(super) fn last_eval(&self) -> Option<BTreeMap<String, f64>> {
-        self.last_eval.as_ref().map(|m| m.iter().map(|(k, &v)| (k.clone(), f64::from_bits(v))).collect())
-    }
-    pub(super) fn set_last_eval(&mut self, m: &BTreeMap<String, f64>) {
-        self.last_eval = Some(m.iter().map(|(k, v)| (k.clone(), v.to_bits())).collect());
-    }
-}
+use crate::job::Job;
+use crate::run_dir::Progress;
 
 /// Managed-collision counters of one table (its arrays are tensors).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -147,12 +106,12 @@ impl Job {
     /// Replaces a one-rank job's tables by inference tables quantized to `precision` (int8
     /// row-wise or fp16): [`Job::evaluate`] then reads them; training is refused.
     pub fn quantize(&mut self, precision: trainrec_embedding::quant::QuantPrecision) -> Result<(), EngineError> {
-        let crate::dist::SparseArch::Local(ebc) = &self.sparse else {
+        let crate::sparse_arch::SparseArch::Local(ebc) = &self.sparse else {
             return Err(EngineError::Internal("quantized inference runs on one rank (topology.world_size = 1)".into()));
         };
         let q = trainrec_embedding::quant::QuantizedEbc::from_ebc(ebc, precision)?;
         tracing::info!(?precision, bytes = q.bytes(), "tables quantized");
-        self.sparse = crate::dist::SparseArch::Quantized(Box::new(q));
+        self.sparse = crate::sparse_arch::SparseArch::Quantized(Box::new(q));
         Ok(())
     }
 
@@ -164,7 +123,7 @@ impl Job {
 
     /// Saves a checkpoint of the job after `progress.step` into `<output_dir>/checkpoints`
     /// (every rank calls it). `train_suites` are the training metrics.
-    pub(super) fn save_checkpoint(
+    pub(crate) fn save_checkpoint(
         &self,
         progress: &Progress,
         train_suites: Option<&[MetricSuite]>,
@@ -260,13 +219,13 @@ impl Job {
         };
         let root = self.recipe.output_dir().join("checkpoints");
         let keep = self.recipe.train.keep_checkpoints as usize;
-        Ok(crate::checkpoint::save(&root, header, contents, pg, progress.step, keep)?)
+        Ok(super::format::save(&root, header, contents, pg, progress.step, keep)?)
     }
 
     /// Restores everything a checkpoint holds into this freshly built job (the same model;
     /// any world size and plan) and returns the loop's position. `train_suites` are the
     /// training metrics to restore.
-    pub(super) fn restore(
+    pub(crate) fn restore(
         &mut self,
         ck: &Checkpoint,
         train_suites: Option<&mut [MetricSuite]>,
@@ -383,29 +342,6 @@ impl Job {
         tracing::info!(step = progress.step, dir = %ck.dir().display(), "resumed from checkpoint");
         Ok(progress)
     }
-}
-
-/// Keeps the lines of a run's `metrics.jsonl` and `metrics.csv` up to `step` (the ones a
-/// resumed run would write again), each file rewritten through a rename.
-pub(super) fn truncate_metrics(dir: &Path, step: u64) -> Result<(), EngineError> {
-    let keep = |path: &Path, keep_line: &dyn Fn(&str) -> bool| -> Result<(), EngineError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(EngineError::Io { path: path.to_path_buf(), source: e }),
-        };
-        let kept: String = text.lines().filter(|l| keep_line(l)).flat_map(|l| [l, "\n"]).collect();
-        super::write_atomic(path, kept.as_bytes())
-    };
-    keep(&dir.join("metrics.jsonl"), &|l| {
-        serde_json::from_str::<serde_json::Value>(l)
-            .ok()
-            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
-            .is_some_and(|s| s <= step)
-    })?;
-    keep(&dir.join("metrics.csv"), &|l| {
-        l.starts_with("step,") || l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= step)
-    })
 }
 
 /// The state of one managed-collision part (tensors `<prefix>.*`) of table `table`.

@@ -1,0 +1,215 @@
+//! The recipe as each part of a job sees it: the embedding tables (as planned), the pooled
+//! outputs the dense model reads, the tasks and their label columns, the batch layout, the
+//! retrieval corpus, and the planner's inputs (with the dense model's memory) and plan.
+
+use std::path::Path;
+
+use tch::{Device, nn};
+use trainrec_data::FeatureSchema;
+use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
+use trainrec_models::{DenseModel, ModelInputs};
+use trainrec_planner::{Plan, PlanError, PlanInput, explain, load_plan};
+use trainrec_recipe::plan::plan_input;
+use trainrec_recipe::{FeatureRef, KeyPath, MetricSection, Recipe};
+
+use crate::error::EngineError;
+use crate::registry::Registry;
+use crate::runtime::with_torch_seed;
+
+/// The pooled outputs of the embedding tables: (name, dim) and the key of each one's dim.
+pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
+    let mut outputs = Vec::new();
+    let mut keys = Vec::new();
+    for (t, table) in recipe.tables.iter().enumerate() {
+        for f in &table.features {
+            outputs.push((f.clone(), table.dim));
+            keys.push(KeyPath::root().key("tables").index(t).key("dim"));
+        }
+    }
+    (outputs, keys)
+}
+
+/// The job's tasks: (name, index of its label column in the sampler's labels). Without
+/// `[[tasks]]`, one task per label column. A task whose column is unknown is left out (and
+/// reported by [`check_loaded`]).
+pub fn job_tasks(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Vec<(String, usize)> {
+    if recipe.tasks.is_empty() {
+        return features.labels.iter().enumerate().map(|(i, l)| (l.clone(), i)).collect();
+    }
+    recipe
+        .tasks
+        .iter()
+        .filter_map(|t| {
+            let col = features.labels.iter().position(|l| l == t.label_column())?;
+            Some((t.name.clone(), col))
+        })
+        .collect()
+}
+
+/// What a batch holds for the dense model: its dense features, its label columns and the
+/// tasks that read them, and the device the dense model lives on.
+pub(crate) struct BatchLayout {
+    /// Dense features per example.
+    pub num_dense: usize,
+    /// Label columns the sampler writes per example.
+    pub num_labels: usize,
+    /// (name, label column) per task.
+    pub tasks: Vec<(String, usize)>,
+    /// The dense model's device.
+    pub device: Device,
+}
+
+/// The recipe's embedding tables as one collection with their fused optimizers and bounds
+/// check (shared by [`Job::build`] and the W2 benchmark).
+pub(crate) fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_embedding::EmbeddingError> {
+    let mut ebc = EmbeddingBagCollection::new(recipe_tables(recipe), recipe.optimizer.sparse.clone(), recipe.run.seed)?;
+    ebc.set_bounds_check(recipe.embedding.bounds_check);
+    Ok(ebc)
+}
+
+/// The recipe's tables with the plan's kernels: a table planned `fused_uvm_caching` keeps a
+/// cache of `load factor x rows` rows (weights and optimizer state) in memory and the whole
+/// table in a file under `embedding.offload_dir`; one planned `key_value` keeps the same cache
+/// in front of a key-value store there of the rows written so far.
+pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> Vec<EmbeddingBagConfig> {
+    use trainrec_planner::{CacheAlgorithm, ComputeKernel};
+    let dir = recipe.embedding.offload_dir.clone().unwrap_or_else(|| recipe.output_dir().join("offload"));
+    let mut tables = recipe_tables(recipe);
+    for (c, t) in tables.iter_mut().zip(&recipe.tables) {
+        let Some(tp) = plan.tables.iter().find(|p| p.name == c.name) else { continue };
+        let backing = match tp.compute_kernel {
+            ComputeKernel::FusedUvmCaching => trainrec_embedding::CacheBacking::Rows,
+            ComputeKernel::KeyValue => trainrec_embedding::CacheBacking::KeyValue,
+            _ => continue,
+        };
+        let load_factor = tp.cache_load_factor.unwrap_or(trainrec_planner::defaults::UVM_CACHING_RATIO);
+        let slots = ((load_factor * c.rows as f64).ceil() as u64).clamp(1, c.rows);
+        let policy = match t.constraints.cache.as_ref().and_then(|k| k.algorithm) {
+            Some(CacheAlgorithm::Lfu) => trainrec_embedding::CachePolicy::Lfu,
+            _ => trainrec_embedding::CachePolicy::Lru,
+        };
+        tracing::info!(table = %c.name, slots, rows = c.rows, ?policy, ?backing, dir = %dir.display(), "cached table");
+        c.cache = Some(trainrec_embedding::CacheConfig { slots, policy, backing, dir: dir.clone() });
+    }
+    tables
+}
+
+/// The recipe's `[[tables]]` as embedding table configurations.
+pub(crate) fn recipe_tables(recipe: &Recipe) -> Vec<EmbeddingBagConfig> {
+    recipe
+        .tables
+        .iter()
+        .map(|t| {
+            let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
+            let mut c = EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
+                .with_precision(t.precision);
+            c.stochastic_rounding = t.stochastic_rounding;
+            c.optimizer = t.optimizer.clone();
+            c
+        })
+        .collect()
+}
+
+/// The corpus and cut-offs of a `recall_at_k` metric.
+pub(crate) struct RetrievalSpec {
+    /// The candidate's input feature (KJT key) and its table's rows: the corpus is ids
+    /// `0..rows`.
+    pub(crate) input: String,
+    pub(crate) rows: u64,
+    /// Cut-offs.
+    pub(crate) ks: Vec<usize>,
+}
+
+/// The corpus of a recipe's `recall_at_k`, or why the model cannot be ranked that way.
+pub(crate) fn retrieval_spec(
+    recipe: &Recipe,
+    model: &dyn DenseModel,
+) -> Result<Option<RetrievalSpec>, trainrec_recipe::Diagnostic> {
+    let Some((i, ks)) = recipe.metrics.iter().enumerate().find_map(|(i, m)| match m {
+        MetricSection::RecallAtK { k } => Some((i, k.clone())),
+        _ => None,
+    }) else {
+        return Ok(None);
+    };
+    let at = trainrec_recipe::KeyPath::root().key("metrics").index(i).key("kind");
+    let kind = recipe.model.kind().unwrap_or_default();
+    let Some(retrieval) = model.retrieval() else {
+        return Err(trainrec_recipe::Diagnostic::new(
+            at,
+            format!("recall_at_k ranks candidates for queries; model {kind} does not embed them apart"),
+        )
+        .with_help("use a retrieval model such as kind = \"two_tower\", or drop this metric"));
+    };
+    let [feature] = retrieval.candidate_features() else {
+        return Err(trainrec_recipe::Diagnostic::new(
+            at,
+            format!(
+                "recall_at_k ranks every row of one candidate table; the model has {} candidate features",
+                retrieval.candidate_features().len()
+            ),
+        )
+        .with_help("list exactly one feature in model.candidate_features"));
+    };
+    let rows = recipe
+        .tables
+        .iter()
+        .find(|t| t.features.iter().any(|f| f == feature))
+        .map(|t| t.rows)
+        .ok_or_else(|| trainrec_recipe::Diagnostic::new(at.clone(), format!("no table looks up {feature}")))?;
+    Ok(Some(RetrievalSpec { input: FeatureRef::parse(feature).input.to_owned(), rows, ks }))
+}
+
+/// Expands a variable-batch (VBE) KJT in place to one bag per example (managed collisions
+/// count every example's ids); any other KJT is left as it is, without a copy.
+pub(crate) fn expand_vbe(kjt: &mut trainrec_sparse::KeyedJaggedTensor) -> Result<(), EngineError> {
+    if let std::borrow::Cow::Owned(full) = kjt.full_batch()? {
+        *kjt = full;
+    }
+    Ok(())
+}
+
+/// TorchRec's multiplier of dense parameter bytes (weights, gradients, optimizer state,
+/// activations' share).
+const DENSE_PARAMETER_MULTIPLIER: u64 = 6;
+
+/// Bytes the dense model needs per rank: its parameter bytes × 6, counted by building it on
+/// a scratch variable store. 0 when the model cannot be built (validation reports why).
+pub fn dense_bytes(recipe: &Recipe, features: &FeatureSchema, registry: &Registry) -> u64 {
+    let Some(factory) = recipe.model.kind().and_then(|k| registry.model_for(k)) else { return 0 };
+    let (sparse, sparse_dim_keys) = sparse_outputs(recipe);
+    let num_tasks = if recipe.tasks.is_empty() { features.labels.len() } else { recipe.tasks.len() };
+    let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
+    let vs = nn::VarStore::new(Device::Cpu);
+    // Under the generator's lock: the scratch init's draws must not land inside another
+    // thread's seeded model build.
+    let built = with_torch_seed(0, || tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs)));
+    if built.is_err() {
+        return 0;
+    }
+    dense_bytes_of(&vs)
+}
+
+/// Parameter bytes × 6 of a model already built under `vs` (before its optimizer).
+pub fn dense_bytes_of(vs: &nn::VarStore) -> u64 {
+    let bytes: u64 =
+        vs.trainable_variables().iter().map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64).sum();
+    bytes * DENSE_PARAMETER_MULTIPLIER
+}
+
+/// The recipe's planner inputs.
+pub fn recipe_plan_input(recipe: &Recipe, features: &FeatureSchema, registry: &Registry) -> PlanInput {
+    plan_input(recipe, dense_bytes(recipe, features, registry))
+}
+
+/// The recipe's plan: `planner.plan_file` when set (checked against the inputs' hash), else
+/// planned; with `explain`, each table's runner-up is filled in.
+pub fn recipe_plan(input: &PlanInput, recipe: &Recipe, base_dir: &Path, explain_it: bool) -> Result<Plan, PlanError> {
+    if let Some(path) = &recipe.planner.plan_file {
+        return load_plan(&base_dir.join(path), input);
+    }
+    let mut plan = trainrec_planner::plan(input)?;
+    if explain_it {
+        explain(input, &mut plan)?;
+    }
+    Ok(plan)
+}

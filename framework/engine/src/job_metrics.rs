@@ -1,0 +1,370 @@
+//! A job's metrics: the recipe's `[[metrics]]` as metric suites (one per task; lifetime values
+//! for an evaluation, lifetime and windowed ones on training batches), fed with every rank's
+//! predictions; the evaluation loop; retrieval recall over the candidate corpus.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use tch::{Device, Kind, Tensor};
+use trainrec_data::{Batch, Split};
+use trainrec_metrics::{
+    AucMetric, AuprcMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SessionMetric, SessionMetricKind,
+    SplitAuprc, SumMetric, SumMetricKind, TaskBatch,
+};
+use trainrec_recipe::MetricSection;
+
+use crate::error::EngineError;
+use crate::inputs::{RetrievalSpec, expand_vbe};
+use crate::job::Job;
+use crate::pipeline::{Ahead, tensors};
+
+/// Recall@k over the eval split: per positive pair, is its candidate among the top k of the
+/// corpus for its query.
+struct RecallAtK {
+    corpus: Tensor,
+    input: String,
+    ks: Vec<usize>,
+    hits: Vec<u64>,
+    pairs: u64,
+}
+
+impl RecallAtK {
+    fn new(spec: &RetrievalSpec, corpus: Tensor) -> Self {
+        Self { corpus, input: spec.input.clone(), ks: spec.ks.clone(), hits: vec![0; spec.ks.len()], pairs: 0 }
+    }
+
+    fn update(
+        &mut self,
+        retrieval: &dyn trainrec_models::Retrieval,
+        dense: &Tensor,
+        sparse: &Tensor,
+        labels: &Tensor,
+        batch: &Batch,
+    ) -> Result<(), EngineError> {
+        let sparse_ids = batch.sparse.full_batch()?;
+        let Some(k) = sparse_ids.key_index(&self.input) else {
+            return Err(EngineError::Internal(format!("eval batch lacks feature {}", self.input)));
+        };
+        let f = sparse_ids.feature(k);
+        let y: Vec<f32> = Vec::try_from(labels.select(1, 0).to_device(tch::Device::Cpu).contiguous())
+            .map_err(|e| EngineError::Internal(format!("labels: {e}")))?;
+        // Positive pairs whose candidate is one id.
+        let (rows, truth): (Vec<i64>, Vec<i64>) = (0..batch.batch_size)
+            .filter(|&i| y[i] > 0.5 && f.bag(i).len() == 1)
+            .map(|i| (i as i64, f.bag(i)[0]))
+            .unzip();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let rows_t = Tensor::from_slice(&rows).to_device(dense.device());
+        let kmax = (*self.ks.iter().max().unwrap_or(&1) as i64).min(self.corpus.size()[0]);
+        let top = tch::no_grad(|| {
+            let q = retrieval.query_embeddings(&dense.index_select(0, &rows_t), &sparse.index_select(0, &rows_t));
+            q.matmul(&self.corpus.transpose(0, 1)).topk(kmax, 1, true, true).1
+        });
+        let top: Vec<i64> = Vec::try_from(top.to_device(tch::Device::Cpu).contiguous().view([-1]))
+            .map_err(|e| EngineError::Internal(format!("top-k: {e}")))?;
+        for (i, &t) in truth.iter().enumerate() {
+            let ranked = &top[i * kmax as usize..(i + 1) * kmax as usize];
+            if let Some(rank) = ranked.iter().position(|&c| c == t) {
+                for (h, &k) in self.hits.iter_mut().zip(&self.ks) {
+                    if rank < k {
+                        *h += 1;
+                    }
+                }
+            }
+        }
+        self.pairs += truth.len() as u64;
+        Ok(())
+    }
+
+    fn compute(&self) -> Vec<(String, f64)> {
+        self.ks
+            .iter()
+            .zip(&self.hits)
+            .map(|(k, &h)| (format!("recall_at_{k}"), if self.pairs == 0 { 0.0 } else { h as f64 / self.pairs as f64 }))
+            .collect()
+    }
+}
+
+impl Job {
+    /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
+    /// job has several tasks).
+    pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
+        let mut suites =
+            (0..self.layout.tasks.len()).map(|_| self.metric_suite(None)).collect::<Result<Vec<_>, _>>()?;
+        let bs = self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size);
+        let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
+        let mut seen = 0u64;
+        let mut recall = match &self.retrieval {
+            Some(r) => Some(RecallAtK::new(r, self.corpus_embeddings(r)?)),
+            None => None,
+        };
+        let mut batches = self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize);
+        loop {
+            let next = batches.next().transpose()?;
+            // Across ranks every rank takes part until all are done: one whose split has ended
+            // looks up an empty batch.
+            let batch = match (&self.sync, next) {
+                (None, None) => break,
+                (None, Some(b)) => b,
+                (Some(sync), next) => {
+                    if !sync.any_has(next.is_some())? {
+                        break;
+                    }
+                    match next {
+                        Some(b) => b,
+                        None => self.empty_batch()?,
+                    }
+                }
+            };
+            let batch = if self.mc.is_empty() {
+                batch
+            } else {
+                let mut b = batch;
+                expand_vbe(&mut b.sparse)?;
+                self.mc.eval(&mut b.sparse)?;
+                b
+            };
+            let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?.map(|d| Ahead::Dist(Box::new(d)));
+            let (dense, sparse, labels, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
+            let probs = tch::no_grad(|| {
+                self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float).to_device(Device::Cpu)
+            });
+            let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
+                .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
+            seen += self.feed_all_ranks(&mut suites, &probs, &batch)? as u64;
+            if let Some(recall) = &mut recall {
+                let retrieval =
+                    self.model.retrieval().ok_or_else(|| EngineError::Internal("retrieval vanished".into()))?;
+                recall.update(retrieval, &dense, &sparse, &labels, &batch)?;
+            }
+        }
+        if seen == 0 {
+            return Err(EngineError::EmptySplit("eval"));
+        }
+        let mut values = self.values(&suites);
+        if let Some(mut recall) = recall {
+            if let Some(sync) = &self.sync {
+                let mut counts = recall.hits.clone();
+                counts.push(recall.pairs);
+                crate::data_parallel::sum_counts(sync.pg.as_ref(), &mut counts)?;
+                recall.pairs = counts.pop().unwrap_or(0);
+                recall.hits = counts;
+            }
+            values.extend(recall.compute());
+        }
+        Ok(values)
+    }
+
+    /// A batch of no examples, for a rank whose eval split has ended while others go on.
+    fn empty_batch(&self) -> Result<Batch, EngineError> {
+        let keys = self.sampler.schema().sparse.clone();
+        let sparse = trainrec_sparse::KeyedJaggedTensor::empty(keys, 0).map_err(|e| EngineError::Data(e.into()))?;
+        Ok(Batch {
+            dense: Vec::new(),
+            num_dense: self.layout.num_dense,
+            sparse,
+            labels: Vec::new(),
+            batch_size: 0,
+            groups: None,
+        })
+    }
+
+    /// Every candidate of the corpus embedded by the candidate tower: `[rows, d]`, row `r` the
+    /// candidate whose id is `r`.
+    fn corpus_embeddings(&self, spec: &RetrievalSpec) -> Result<Tensor, EngineError> {
+        let retrieval = self.model.retrieval().ok_or_else(|| EngineError::Internal("retrieval vanished".into()))?;
+        let keys = self.sampler.schema().sparse.clone();
+        let k = keys.iter().position(|f| *f == spec.input).ok_or_else(|| {
+            EngineError::Internal(format!("candidate feature {} is not a sampler feature", spec.input))
+        })?;
+        const CHUNK: u64 = 16_384;
+        let mut parts = Vec::new();
+        let mut start = 0u64;
+        while start < spec.rows {
+            let n = CHUNK.min(spec.rows - start) as usize;
+            let mut lengths = vec![0u32; keys.len() * n];
+            lengths[k * n..(k + 1) * n].fill(1);
+            let values: Vec<i64> = (start as i64..(start as usize + n) as i64).collect();
+            let kjt = trainrec_sparse::KeyedJaggedTensor::new(keys.clone(), values, None, lengths, n)
+                .map_err(|e| EngineError::Data(e.into()))?;
+            let (sparse, _) = self.sparse.forward(&kjt, None)?;
+            let sparse = sparse.to_device(self.vs.device());
+            parts.push(tch::no_grad(|| retrieval.candidate_embeddings(&sparse)));
+            start += n as u64;
+        }
+        Ok(Tensor::cat(&parts, 0))
+    }
+
+    /// A fresh suite of the recipe's metrics. With `window: None`, for an evaluation: lifetime
+    /// values under plain names (`auc`, `ne`). With `Some(w)`, for training batches: lifetime
+    /// and windowed values over the latest `w` samples (`lifetime_ne`, `window_ne`,
+    /// `window_auc`), TorchRec's `RecMetricModule` on the train loop.
+    pub(crate) fn metric_suite(&self, window: Option<usize>) -> Result<MetricSuite, EngineError> {
+        let metrics: Vec<Box<dyn Metric>> = self
+            .recipe
+            .metrics
+            .iter()
+            // Retrieval recall ranks the corpus at evaluation; it is not a per-prediction metric.
+            .filter(|m| !matches!(m, MetricSection::RecallAtK { .. }))
+            .map(|m| -> Result<Box<dyn Metric>, EngineError> {
+                Ok(match (m, window) {
+                    (MetricSection::Ne { include_logloss }, None) => Box::new(NeMetric::new(*include_logloss)),
+                    (MetricSection::Auc { grouped }, _) => {
+                        let auc = match window {
+                            None => AucMetric::new(),
+                            Some(w) => AucMetric::with_window(w)?,
+                        };
+                        let auc = if *grouped { auc.grouped() } else { auc };
+                        match window {
+                            None => Box::new(auc),
+                            Some(_) => Box::new(WindowNamed(Box::new(auc))),
+                        }
+                    }
+                    (MetricSection::Auprc {}, None) => Box::new(SplitAuprc::new()),
+                    (MetricSection::Auprc {}, Some(w)) => Box::new(AuprcMetric::new(w)?),
+                    (MetricSection::Ndcg { .. } | MetricSection::RecallSession { .. }, _) => {
+                        let kind = session_kind(m).expect("a session metric");
+                        Box::new(match window {
+                            None => SessionMetric::for_split(kind)?,
+                            Some(w) => SessionMetric::new(kind, w)?,
+                        })
+                    }
+                    (MetricSection::Plugin { name, options }, _) => self
+                        .plugin_metrics
+                        .get(name)
+                        .ok_or_else(|| EngineError::Internal(format!("plugin metric {name} vanished")))?
+                        .build(&serde_json::Value::Object(options.clone()))?,
+                    (other, None) => Box::new(LifetimeMetric::new(sum_kind(other).expect("a sum-state metric"))),
+                    (other, Some(w)) => Box::new(SumMetric::new(sum_kind(other).expect("a sum-state metric"), w)?),
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(MetricSuite::new(metrics)?)
+    }
+
+    /// [`Self::feed`] across ranks: every rank's predictions, labels and groups of this step
+    /// (gathered), so every rank's suites hold the global metrics. Returns the examples fed.
+    pub(crate) fn feed_all_ranks(
+        &self,
+        suites: &mut [MetricSuite],
+        probs: &[f32],
+        batch: &Batch,
+    ) -> Result<usize, EngineError> {
+        let Some(sync) = &self.sync else {
+            self.feed(suites, probs, batch)?;
+            return Ok(batch.batch_size);
+        };
+        let probs = sync.gather(probs)?;
+        let labels = sync.gather(&batch.labels)?;
+        // Every rank gathers (a rank past its split's end has no groups).
+        let groups = sync.gather(batch.groups.as_deref().unwrap_or_default())?;
+        let n = labels.len() / self.layout.num_labels.max(1);
+        let groups = (n > 0 && groups.len() == n).then_some(groups);
+        self.feed_parts(suites, &probs, &labels, groups.as_deref(), n)?;
+        Ok(n)
+    }
+
+    /// Feeds one batch's predictions `[batch, tasks]` to each task's suite.
+    fn feed(&self, suites: &mut [MetricSuite], probs: &[f32], batch: &Batch) -> Result<(), EngineError> {
+        self.feed_parts(suites, probs, &batch.labels, batch.groups.as_deref(), batch.batch_size)
+    }
+
+    /// [`Self::feed`] from the parts: `n` examples' predictions `[n, tasks]`, label columns
+    /// `[n, num_labels]` and grouping keys.
+    fn feed_parts<'a>(
+        &self,
+        suites: &mut [MetricSuite],
+        probs: &'a [f32],
+        all_labels: &'a [f32],
+        groups: Option<&'a [i64]>,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        let t_count = self.layout.tasks.len();
+        // A column of a row-major `[n, width]` matrix; a single column is the data itself.
+        let column = |data: &'a [f32], width: usize, c: usize| -> Cow<'a, [f32]> {
+            if width == 1 { Cow::Borrowed(data) } else { Cow::Owned((0..n).map(|i| data[i * width + c]).collect()) }
+        };
+        for (t, (suite, &(_, col))) in suites.iter_mut().zip(&self.layout.tasks).enumerate() {
+            let predictions = column(probs, t_count, t);
+            let labels = column(all_labels, self.layout.num_labels, col);
+            let input = TaskBatch { predictions: &predictions, labels: &labels, weights: None, groups };
+            suite.update_batch(&input)?;
+        }
+        Ok(())
+    }
+
+    /// Every task's values: plain names (`auc`) for one task, `<metric>-<task>` (`auc-click`)
+    /// for several.
+    pub(crate) fn values(&self, suites: &[MetricSuite]) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        for (suite, (task, _)) in suites.iter().zip(&self.layout.tasks) {
+            for (name, v) in suite.compute() {
+                let key = if self.layout.tasks.len() == 1 { name } else { format!("{name}-{task}") };
+                out.insert(key, v);
+            }
+        }
+        out
+    }
+}
+
+/// The sum-state kind of a `[[metrics]]` entry, if it is one.
+fn sum_kind(m: &MetricSection) -> Option<SumMetricKind> {
+    Some(match *m {
+        MetricSection::Ne { include_logloss } => SumMetricKind::Ne { include_logloss },
+        MetricSection::Calibration {} => SumMetricKind::Calibration,
+        MetricSection::Ctr {} => SumMetricKind::Ctr,
+        MetricSection::Mse {} => SumMetricKind::Mse,
+        MetricSection::Mae {} => SumMetricKind::Mae,
+        MetricSection::Accuracy { threshold } => SumMetricKind::Accuracy { threshold },
+        MetricSection::Precision { threshold } => SumMetricKind::Precision { threshold },
+        MetricSection::Recall { threshold } => SumMetricKind::Recall { threshold },
+        MetricSection::WeightedAvg {} => SumMetricKind::WeightedAvg,
+        _ => return None,
+    })
+}
+
+/// The session kind of a `[[metrics]]` entry, if it is one.
+fn session_kind(m: &MetricSection) -> Option<SessionMetricKind> {
+    Some(match *m {
+        MetricSection::Ndcg { k, exponential_gain, report_as_decreasing, remove_single_length_sessions } => {
+            SessionMetricKind::Ndcg { k, exponential_gain, report_as_decreasing, remove_single_length_sessions }
+        }
+        MetricSection::RecallSession { top_threshold, run_ranking_of_labels } => {
+            SessionMetricKind::RecallSession { top_threshold, run_ranking_of_labels }
+        }
+        _ => return None,
+    })
+}
+
+/// A windowed metric that reports plain names (AUC's `auc`) under `window_<name>`, as TorchRec
+/// names its window values.
+struct WindowNamed(Box<dyn Metric>);
+
+impl Metric for WindowNamed {
+    fn output_names(&self) -> Vec<String> {
+        self.0.output_names().into_iter().map(|n| format!("window_{n}")).collect()
+    }
+    fn update(&mut self, p: &[f32], l: &[f32], w: Option<&[f32]>) -> Result<(), trainrec_metrics::MetricError> {
+        self.0.update(p, l, w)
+    }
+    fn update_batch(&mut self, b: &TaskBatch<'_>) -> Result<(), trainrec_metrics::MetricError> {
+        self.0.update_batch(b)
+    }
+    fn needs_groups(&self) -> bool {
+        self.0.needs_groups()
+    }
+    fn compute(&self) -> Vec<(String, f64)> {
+        self.0.compute().into_iter().map(|(n, v)| (format!("window_{n}"), v)).collect()
+    }
+    fn reset(&mut self) {
+        self.0.reset();
+    }
+    fn state(&self) -> Option<trainrec_metrics::MetricState> {
+        self.0.state()
+    }
+    fn load_state(&mut self, state: &trainrec_metrics::MetricState) -> Result<(), trainrec_metrics::MetricError> {
+        self.0.load_state(state)
+    }
+}

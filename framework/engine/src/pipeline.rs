@@ -1,0 +1,475 @@
+//! The train pipeline (recipe `[pipeline]`): a step's parts in order, and what runs ahead of
+//! it on a second thread while the dense part of the step runs.
+//!
+//! | `pipeline.kind` | one rank (CPU) | one GPU | sharded |
+//! | --- | --- | --- | --- |
+//! | `base` | nothing ahead | the batch copied at its step | the input dist at its step |
+//! | `sparse_dist` | nothing ahead | batch i+1 copied on the copy stream | batch i+1's input dist |
+//! | `prefetch_sparse_dist` | batch i+1's rows into the caches | copied, then its rows into the GPU caches | input dist, then its rows into the shards' caches |
+//!
+//! [`ReadAhead`] reads the train split so that batch i+1 is known (on every rank) before
+//! batch i trains; [`Pipeline::step`] runs one step over a job's [`StepParts`] and keeps the
+//! staged batch for the next step.
+
+use tch::{Device, Kind, Tensor};
+use trainrec_data::{Batch, BatchStream, DataError};
+use trainrec_dist::DistContext;
+use trainrec_embedding::EmbeddingBagCollection;
+use trainrec_models::{DenseModel, DenseOptimizer, LossInput};
+use trainrec_recipe::PipelineKind;
+
+use crate::data_parallel::DataParallel;
+use crate::error::EngineError;
+use crate::inputs::{BatchLayout, expand_vbe};
+use crate::managed_collisions::McTables;
+use crate::sparse_arch::{SparseArch, cuda_tensor_device};
+
+/// The train split's batches as the pipeline reads them: with a pipeline that reads ahead,
+/// batch i+1 is read (and every rank agrees it exists) before batch i trains.
+pub(crate) struct ReadAhead {
+    batches: BatchStream,
+    reads_ahead: bool,
+    execute_all_batches: bool,
+    ahead: Option<Batch>,
+    first: bool,
+    /// Set when the batch in flight was dropped because the epoch's data ended
+    /// (`pipeline.execute_all_batches = false`).
+    pub dropped: bool,
+}
+
+impl ReadAhead {
+    /// Reads `batches`, one ahead when `reads_ahead`.
+    pub fn new(batches: BatchStream, reads_ahead: bool, execute_all_batches: bool) -> Self {
+        Self { batches, reads_ahead, execute_all_batches, ahead: None, first: true, dropped: false }
+    }
+
+    /// Skips `n` batches (those a checkpointed run had read of this epoch).
+    pub fn skip(&mut self, n: u64) -> Result<(), EngineError> {
+        for _ in 0..n {
+            if self.batches.next().transpose()?.is_none() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The batch to train now, or `None` when the epoch's data has ended. Across ranks the
+    /// epoch ends for all when one rank's data ends (`all_ranks_have`, a collective: no rank
+    /// waits in a collective the others never join).
+    pub fn next_batch(
+        &mut self,
+        all_ranks_have: impl Fn(bool) -> Result<bool, EngineError>,
+    ) -> Result<Option<Batch>, EngineError> {
+        match self.ahead.take() {
+            Some(b) => Ok(Some(b)),
+            // A pipeline that read ahead and found nothing: the epoch's data ended.
+            None if self.reads_ahead && !self.first => Ok(None),
+            None => {
+                self.first = false;
+                let next = self.batches.next().transpose()?;
+                let go = all_ranks_have(next.is_some())?;
+                Ok(next.filter(|_| go))
+            }
+        }
+    }
+
+    /// With a pipeline that reads ahead and `more` steps to come, reads the batch after the one
+    /// about to train (see [`Self::ahead`]). A failed read is returned, to be reported after
+    /// this step trains (as `base` would); when the data ended and
+    /// `execute_all_batches = false`, [`Self::dropped`] is set and the batch in flight must
+    /// not train (TorchRec's `execute_all_batches=False`).
+    pub fn read_ahead(
+        &mut self,
+        more: bool,
+        all_ranks_have: impl Fn(bool) -> Result<bool, EngineError>,
+    ) -> Result<Option<DataError>, EngineError> {
+        let mut read_error = None;
+        if self.reads_ahead && more {
+            let next = self.batches.next().transpose().unwrap_or_else(|e| {
+                read_error = Some(e);
+                None
+            });
+            let go = all_ranks_have(next.is_some())?;
+            self.ahead = next.filter(|_| go);
+            if self.ahead.is_none() && read_error.is_none() && !self.execute_all_batches {
+                self.dropped = true;
+            }
+        }
+        Ok(read_error)
+    }
+
+    /// The batch read ahead, which trains next.
+    pub fn ahead(&self) -> Option<&Batch> {
+        self.ahead.as_ref()
+    }
+}
+
+/// What a step uses of a job.
+pub(crate) struct StepParts<'a> {
+    pub sparse: &'a mut SparseArch,
+    pub model: &'a mut dyn DenseModel,
+    pub opt: &'a mut DenseOptimizer,
+    pub sync: Option<&'a DataParallel>,
+    pub mc: &'a mut McTables,
+    pub layout: &'a BatchLayout,
+}
+
+/// A job's train pipeline: its kind, and the batch it staged ahead of the next step.
+pub(crate) struct Pipeline {
+    kind: PipelineKind,
+    /// A pipeline that reads ahead: the next batch after its input dist (sharded jobs), or
+    /// copied to the GPU (one-GPU jobs).
+    staged: Option<Ahead>,
+    /// The last sharded step's phase times (its input dist's wherever it ran).
+    last_times: Option<trainrec_dist::StepTimes>,
+}
+
+impl Pipeline {
+    /// A pipeline of `kind` with nothing staged.
+    pub fn new(kind: PipelineKind) -> Self {
+        Self { kind, staged: None, last_times: None }
+    }
+
+    /// The last training step's phase times on this rank, for sharded jobs.
+    pub fn last_times(&self) -> Option<trainrec_dist::StepTimes> {
+        self.last_times
+    }
+
+    /// Drops what was staged ahead (a batch that will not train: the epoch or the run ended):
+    /// its input dist or GPU copy, and its rows pinned in the caches.
+    pub fn discard(&mut self, sparse: &mut SparseArch) {
+        self.staged = None;
+        sparse.discard_prefetched();
+    }
+
+    /// [`Job::train_step`]; with `want_predictions`, also the batch's predicted probabilities
+    /// `[batch, tasks]` row-major (before this step's update); and the examples of the step's
+    /// global batch (every rank's).
+    ///
+    /// `ahead`, the next batch, is staged on a second thread while this batch's dense forward
+    /// and backward run (see [`Job::train_step_ahead`]); that thread is the only one to run
+    /// collectives meanwhile (the dense gradients' all-reduce waits for it), so every backend
+    /// sees one collective at a time. The staged batch waits in the pipeline for the next step.
+    pub fn step(
+        &mut self,
+        parts: StepParts<'_>,
+        batch: &Batch,
+        want_predictions: bool,
+        ahead: Option<&Batch>,
+    ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
+        let StepParts { sparse: arch, model, opt, sync, mc, layout } = parts;
+        let remapped;
+        let batch = if mc.is_empty() {
+            batch
+        } else {
+            // Managed collisions: raw ids counted and remapped to rows; the rows of slots that
+            // changed hands start afresh before the lookup.
+            let mut b = batch.clone();
+            expand_vbe(&mut b.sparse)?;
+            let pg = sync.map(|s| s.pg.as_ref());
+            for (table, rows, key) in mc.train(&mut b.sparse, pg)? {
+                arch.reset_rows(&table, &rows, key)?;
+            }
+            remapped = b;
+            &remapped
+        };
+        // Managed-collision jobs run the base pipeline: nothing is staged ahead for them.
+        let staged = match self.staged.take() {
+            Some(st) => Some(st),
+            None => mc.stage_train(arch, &batch.sparse)?.map(|d| Ahead::Dist(Box::new(d))),
+        };
+        let (dense, sparse, labels, ctx) = tensors(layout, arch, batch, staged)?;
+        let sparse = sparse.set_requires_grad(true);
+        let ids = batch.sparse.full_batch()?;
+        let mut dense_parts = DenseParts { model, opt, sync, tasks: layout.tasks.len() };
+        let prefetch = self.kind == PipelineKind::PrefetchSparseDist;
+        let stage = match (ahead, &mut *arch) {
+            (Some(next), SparseArch::Local(ebc)) if prefetch => Some(Stage::Prefetch(next, ebc.as_mut())),
+            (Some(next), SparseArch::Cuda(gpu)) => Some(Stage::Cuda(next, gpu.as_mut(), prefetch)),
+            (Some(next), SparseArch::Sharded(s)) => Some(Stage::InputDist(next, s.as_mut(), prefetch)),
+            _ => None,
+        };
+        let (dense_part, staged) = std::thread::scope(|scope| {
+            let job = stage.map(|stage| {
+                std::thread::Builder::new()
+                    .name("stage-ahead".into())
+                    .spawn_scoped(scope, move || stage.run())
+                    .map_err(|e| EngineError::Internal(format!("cannot start the pipeline's stage thread: {e}")))
+            });
+            let dense_part = {
+                let _span = tracing::debug_span!("dense").entered();
+                dense_parts.forward_backward(&dense, &sparse, &labels, &ids, ctx.as_ref(), batch, want_predictions)
+            };
+            let staged = job.map(|j| {
+                j?.join().unwrap_or_else(|_| Err(EngineError::Internal("the pipeline's stage thread panicked".into())))
+            });
+            (dense_part, staged)
+        });
+        // A stage's failure is reported before this batch's update is applied: no rank has
+        // applied it (each rank's stage fails in the same collective, or its peers see it leave).
+        let (scaled_loss, logits, examples) = dense_part?;
+        self.staged = staged.transpose()?.flatten();
+        let loss_value = dense_parts.finish(scaled_loss, ctx.is_some())?;
+        // The EBC reads the gradient tensor's memory in place.
+        {
+            let _span = tracing::debug_span!("sparse_update").entered();
+            self.last_times = arch.backward(&batch.sparse, ctx, &sparse.grad())?;
+        }
+        let predictions = match logits {
+            Some(logits) if want_predictions => {
+                let p = logits.detach().sigmoid().to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]);
+                Some(Vec::try_from(&p).map_err(|e| EngineError::Internal(format!("predictions: {e}")))?)
+            }
+            _ => None,
+        };
+        Ok((loss_value, predictions, examples))
+    }
+}
+
+/// The batch's dense features, pooled embeddings and labels as tensors, and the sharded
+/// forward's context (collective across ranks); `staged`: the batch's input dist, when a
+/// pipeline ran it ahead.
+pub(crate) fn tensors(
+    layout: &BatchLayout,
+    arch: &SparseArch,
+    batch: &Batch,
+    staged: Option<Ahead>,
+) -> Result<(Tensor, Tensor, Tensor, Option<DistContext>), EngineError> {
+    let b = batch.batch_size as i64;
+    if batch.dense.len() != batch.batch_size * layout.num_dense
+        || batch.labels.len() != batch.batch_size * layout.num_labels
+        || batch.sparse.examples() != batch.batch_size
+    {
+        return Err(EngineError::Data(trainrec_data::DataError::Config {
+            key: String::new(),
+            message: format!(
+                "the sampler produced an inconsistent batch: batch_size {}, {} dense values ({} per example expected), {} labels ({} per example expected), sparse stride {}",
+                batch.batch_size,
+                batch.dense.len(),
+                layout.num_dense,
+                batch.labels.len(),
+                layout.num_labels,
+                batch.sparse.examples()
+            ),
+        }));
+    }
+    let device = layout.device;
+    let (dense, sparse, labels, ctx) = match (arch, staged) {
+        (SparseArch::Cuda(gpu), staged) => {
+            let staged = match staged {
+                Some(Ahead::Gpu(s)) => Some(s),
+                Some(Ahead::Dist(_)) => {
+                    return Err(EngineError::Internal("a one-GPU job was given a sharded batch's input dist".into()));
+                }
+                None => None,
+            };
+            let (dense, sparse, labels) = cuda_tensors(layout, gpu, batch, staged)?;
+            (dense, sparse, labels, None)
+        }
+        (_, staged) => {
+            let staged = match staged {
+                Some(Ahead::Dist(d)) => Some(*d),
+                Some(Ahead::Gpu(_)) => {
+                    return Err(EngineError::Internal("a batch staged on a GPU reached a CPU lookup".into()));
+                }
+                None => None,
+            };
+            let dense = Tensor::from_slice(&batch.dense).f_view([b, layout.num_dense as i64])?.to_device(device);
+            let (sparse, ctx) = arch.forward(&batch.sparse, staged)?;
+            // A sharded lookup's output comes to the host (the output dist's); the dense
+            // model's device, when that is a GPU.
+            let sparse = sparse.to_device(device);
+            let labels = Tensor::from_slice(&batch.labels).f_view([b, layout.num_labels as i64])?.to_device(device);
+            (dense, sparse, labels, ctx)
+        }
+    };
+    // [batch, tasks]: each task's label column (all columns, in order, need no selection).
+    let identity =
+        layout.tasks.len() == layout.num_labels && layout.tasks.iter().enumerate().all(|(t, &(_, c))| t == c);
+    let labels = if identity {
+        labels
+    } else {
+        let columns: Vec<i64> = layout.tasks.iter().map(|&(_, c)| c as i64).collect();
+        labels.f_index_select(1, &Tensor::from_slice(&columns).to_device(device))?
+    };
+    Ok((dense, sparse, labels, ctx))
+}
+
+/// A one-GPU job's dense features, pooled embeddings and labels on the GPU: the batch's
+/// ids, dense features and labels copied on the high-priority copy stream (`staged`: by
+/// the pipeline's stage while the previous batch trained; else now, the `base` pipeline's
+/// copy stage), the lookups reading the ids there.
+fn cuda_tensors(
+    layout: &BatchLayout,
+    gpu: &trainrec_cuda::CudaEbc,
+    batch: &Batch,
+    staged: Option<trainrec_cuda::StagedBatch>,
+) -> Result<(Tensor, Tensor, Tensor), EngineError> {
+    let kjt = batch.sparse.full_batch()?;
+    let staged = match staged {
+        Some(s) => s,
+        None => stage_on_gpu(gpu, batch, &kjt)?,
+    };
+    let dev = cuda_tensor_device(gpu);
+    let (b, nd, nl, w) =
+        (batch.batch_size as i64, layout.num_dense as i64, layout.num_labels as i64, gpu.width() as i64);
+    let parts = staged.parts()?;
+    // SAFETY: `parts` are the staged copies of `batch.dense` ([b, nd] floats) and
+    // `batch.labels` ([b, nl] floats) in the GPU's memory (host memory on the emulator),
+    // valid while `staged` lives; the default stream waits for their copy (`parts`), and
+    // each view is copied into a tensor of libtorch's own on that stream before `staged`
+    // is dropped (which frees the slot only once the stream is past these copies).
+    let (dense, labels) = unsafe {
+        (
+            Tensor::from_blob(parts[0] as *const u8, &[b, nd], &[], Kind::Float, dev).copy(),
+            Tensor::from_blob(parts[1] as *const u8, &[b, nl], &[], Kind::Float, dev).copy(),
+        )
+    };
+    let sparse = Tensor::empty([b, w], (Kind::Float, dev));
+    if b * w > 0 {
+        // SAFETY: `sparse` is a new contiguous float tensor of b * w elements on the
+        // collection's GPU; the kernels run on the default stream, before libtorch's later
+        // work on it.
+        unsafe { gpu.forward_staged_into_raw(&kjt, &staged, sparse.data_ptr() as u64)? };
+    }
+    drop(staged);
+    Ok((dense, sparse, labels))
+}
+
+/// A batch a pipeline staged ahead of its step.
+pub(crate) enum Ahead {
+    /// A sharded job's: its input dist.
+    Dist(Box<trainrec_dist::InputDist>),
+    /// A one-GPU job's: its ids, dense features and labels copied to the GPU.
+    Gpu(trainrec_cuda::StagedBatch),
+}
+
+/// Copies a batch's ids (`kjt`, the batch's full sparse features), dense features and labels
+/// to the GPU on its copy stream.
+fn stage_on_gpu(
+    gpu: &trainrec_cuda::CudaEbc,
+    batch: &Batch,
+    kjt: &trainrec_sparse::KeyedJaggedTensor,
+) -> Result<trainrec_cuda::StagedBatch, EngineError> {
+    Ok(gpu.stage(kjt, &[bytemuck::cast_slice(&batch.dense), bytemuck::cast_slice(&batch.labels)])?)
+}
+
+/// What the pipeline's second thread does for the next batch while this one's dense part
+/// runs.
+enum Stage<'a> {
+    /// One rank: load the batch's rows into the caches of cached tables.
+    Prefetch(&'a Batch, &'a mut EmbeddingBagCollection),
+    /// One GPU: the batch copied to the GPU on the copy stream, then (with `true`) its rows
+    /// into the GPU caches of cached tables.
+    Cuda(&'a Batch, &'a mut trainrec_cuda::CudaEbc, bool),
+    /// Sharded: the batch's input dist, then (with `true`) its rows into the shards' caches.
+    InputDist(&'a Batch, &'a mut trainrec_dist::ShardedEbc, bool),
+}
+
+impl Stage<'_> {
+    fn run(self) -> Result<Option<Ahead>, EngineError> {
+        match self {
+            Self::Cuda(next, gpu, prefetch) => {
+                let kjt = next.sparse.full_batch()?;
+                let staged = {
+                    let _span = tracing::debug_span!("copy").entered();
+                    stage_on_gpu(gpu, next, &kjt)?
+                };
+                if prefetch {
+                    let _span = tracing::debug_span!("prefetch").entered();
+                    gpu.prefetch(&kjt)?;
+                }
+                Ok(Some(Ahead::Gpu(staged)))
+            }
+            Self::Prefetch(next, ebc) => {
+                let _span = tracing::debug_span!("prefetch").entered();
+                let kjt = next.sparse.full_batch()?;
+                ebc.prefetch(&kjt)?;
+                Ok(None)
+            }
+            Self::InputDist(next, s, prefetch) => {
+                let staged = {
+                    let _span = tracing::debug_span!("input_dist").entered();
+                    s.input_dist(&next.sparse)?
+                };
+                if prefetch {
+                    let _span = tracing::debug_span!("prefetch").entered();
+                    s.prefetch(&staged)?;
+                }
+                Ok(Some(Ahead::Dist(Box::new(staged))))
+            }
+        }
+    }
+}
+
+/// What a step's dense part uses of a job (apart from the sparse arch, which may be
+/// prefetching meanwhile).
+struct DenseParts<'a> {
+    model: &'a mut dyn DenseModel,
+    opt: &'a mut DenseOptimizer,
+    sync: Option<&'a DataParallel>,
+    tasks: usize,
+}
+
+impl DenseParts<'_> {
+    /// The dense model's forward and backward on one batch (the pooled embeddings `sparse` a
+    /// leaf that receives its gradient), with no collective: the loss (this rank's share of
+    /// the global batch's across ranks), the logits when they are wanted, and the examples of
+    /// the global batch. [`DenseParts::finish`] sums the gradients and updates.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_backward(
+        &mut self,
+        dense: &Tensor,
+        sparse: &Tensor,
+        labels: &Tensor,
+        ids: &trainrec_sparse::KeyedJaggedTensor,
+        ctx: Option<&DistContext>,
+        batch: &Batch,
+        want_predictions: bool,
+    ) -> Result<(f64, Option<Tensor>, usize), EngineError> {
+        let input = LossInput { dense, sparse, labels, ids };
+        let (loss, logits) = match self.model.loss(&input) {
+            // The model's own objective; predictions (for training metrics) are its scores.
+            Some(loss) => {
+                let logits = want_predictions.then(|| tch::no_grad(|| self.model.forward(dense, sparse, true)));
+                (loss, logits)
+            }
+            None => {
+                let logits = self.model.forward(dense, sparse, true);
+                // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
+                let loss = logits.binary_cross_entropy_with_logits::<Tensor>(labels, None, None, tch::Reduction::Mean)
+                    * self.tasks as f64;
+                (loss, Some(logits))
+            }
+        };
+        self.opt.zero_grad();
+        let examples = ctx.map_or(batch.batch_size, |c| c.batch_sizes().iter().sum());
+        let loss_value = match (self.sync, ctx) {
+            (Some(_), Some(ctx)) => {
+                // This rank's share of the global batch's loss: after the sum across ranks the
+                // gradients are the global batch's (see the `dist` module).
+                let global: usize = ctx.batch_sizes().iter().sum();
+                let share = batch.batch_size as f64 / global.max(1) as f64;
+                let scaled = &loss * share;
+                scaled.backward();
+                scaled.double_value(&[])
+            }
+            _ => {
+                loss.backward();
+                loss.double_value(&[])
+            }
+        };
+        Ok((loss_value, logits, examples))
+    }
+
+    /// Across ranks, sums the gradients and the loss shares (collective); then the dense
+    /// optimizer's update. Returns the (global) loss.
+    fn finish(self, loss: f64, sharded: bool) -> Result<f64, EngineError> {
+        let loss = match self.sync {
+            Some(sync) if sharded => sync.all_reduce(loss)?,
+            _ => loss,
+        };
+        self.opt.step();
+        Ok(loss)
+    }
+}

@@ -1,0 +1,215 @@
+//! The run directory and what a run shows while it trains: `resolved.toml` and `plan.json`
+//! written whole, the metric files (`metrics.jsonl`, `metrics.csv`, TensorBoard events),
+//! where the training loop stands ([`Progress`], saved with every checkpoint), the progress
+//! bar and the summary printed at the end.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use trainrec_metrics::sinks::{CsvSink, TensorBoardSink};
+
+use crate::error::EngineError;
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    /// Training steps taken.
+    pub steps: u64,
+    /// Training examples seen.
+    pub samples: u64,
+    /// Wall time of the training loop (evaluation included), seconds.
+    pub train_seconds: f64,
+    /// The last evaluation's metrics, by name.
+    pub eval: BTreeMap<String, f64>,
+    /// Mean train loss over the first `log_every` steps and over the last `log_every` steps.
+    pub train_loss: (f64, f64),
+    /// The run directory.
+    pub output_dir: PathBuf,
+}
+
+/// Where the training loop stands: saved with every checkpoint and restored on resume. Floats
+/// are kept as their bits (JSON has no NaN, and the values must come back exactly).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Progress {
+    /// Steps taken.
+    pub step: u64,
+    /// Examples seen (every rank's).
+    pub samples: u64,
+    /// The epoch in progress.
+    pub epoch: u64,
+    /// Batches this rank read in that epoch.
+    pub in_epoch: u64,
+    /// Ranks that read them.
+    pub world_size: usize,
+    /// The loss window: sum (bits) and steps.
+    pub window_sum: u64,
+    /// Steps in the loss window.
+    pub window_count: u64,
+    /// The first reported mean loss (bits).
+    pub first_loss: Option<u64>,
+    /// The last reported mean loss (bits).
+    pub last_loss: u64,
+    /// The last evaluation's values (bits).
+    pub last_eval: Option<BTreeMap<String, u64>>,
+}
+
+impl Progress {
+    pub(crate) fn window(&self) -> (f64, u64) {
+        (f64::from_bits(self.window_sum), self.window_count)
+    }
+    pub(crate) fn set_window(&mut self, (sum, n): (f64, u64)) {
+        (self.window_sum, self.window_count) = (sum.to_bits(), n);
+    }
+    pub(crate) fn last_eval(&self) -> Option<BTreeMap<String, f64>> {
+        self.last_eval.as_ref().map(|m| m.iter().map(|(k, &v)| (k.clone(), f64::from_bits(v))).collect())
+    }
+    pub(crate) fn set_last_eval(&mut self, m: &BTreeMap<String, f64>) {
+        self.last_eval = Some(m.iter().map(|(k, v)| (k.clone(), v.to_bits())).collect());
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a reader never sees a
+/// partial file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), EngineError> {
+    let tmp = path.with_extension("tmp");
+    let io = |e| EngineError::Io { path: path.to_path_buf(), source: e };
+    std::fs::write(&tmp, bytes).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        EngineError::Io { path: path.to_path_buf(), source: e }
+    })
+}
+
+/// Writes a line to the run's metric files (rank 0 only: other ranks have none).
+pub(crate) fn log_write(
+    log: &mut Option<MetricsLog>,
+    step: u64,
+    split: &str,
+    metrics: &BTreeMap<String, f64>,
+) -> Result<(), EngineError> {
+    match log {
+        Some(l) => l.write(step, split, metrics),
+        None => Ok(()),
+    }
+}
+
+/// `metrics.jsonl`: one JSON object per line, each line written whole and flushed, so the file
+/// is valid JSONL at every moment (also when a run stops on an error).
+/// The run directory's metric files: `metrics.jsonl`, `metrics.csv` and a TensorBoard event
+/// file (`tensorboard --logdir runs/`).
+pub(crate) struct MetricsLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+    csv: CsvSink,
+    tb: TensorBoardSink,
+    dir: PathBuf,
+}
+
+impl MetricsLog {
+    /// Creates the files, or with `append` (a resumed run) appends to them.
+    pub(crate) fn open(path: &Path, append: bool) -> Result<Self, EngineError> {
+        let io = |p: &Path| {
+            let p = p.to_path_buf();
+            move |e| EngineError::Io { path: p, source: e }
+        };
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let file =
+            if append { std::fs::OpenOptions::new().create(true).append(true).open(path) } else { File::create(path) }
+                .map_err(io(path))?;
+        let csv_path = dir.join("metrics.csv");
+        let csv =
+            if append { CsvSink::append(&csv_path) } else { CsvSink::create(&csv_path) }.map_err(io(&csv_path))?;
+        let tb = TensorBoardSink::create(&dir).map_err(io(&dir))?;
+        Ok(Self { path: path.to_path_buf(), out: BufWriter::new(file), csv, tb, dir })
+    }
+
+    pub(crate) fn write(&mut self, step: u64, split: &str, metrics: &BTreeMap<String, f64>) -> Result<(), EngineError> {
+        let mut line = serde_json::json!({ "step": step, "split": split, "metrics": metrics }).to_string();
+        line.push('\n');
+        self.out
+            .write_all(line.as_bytes())
+            .and_then(|_| self.out.flush())
+            .map_err(|e| EngineError::Io { path: self.path.clone(), source: e })?;
+        let pairs = || metrics.iter().map(|(k, v)| (k.as_str(), *v));
+        self.csv
+            .write(step, split, pairs())
+            .map_err(|e| EngineError::Io { path: self.dir.join("metrics.csv"), source: e })?;
+        self.tb.write(step, split, pairs()).map_err(|e| EngineError::Io { path: self.dir.clone(), source: e })
+    }
+
+    pub(crate) fn finish(mut self) -> Result<(), EngineError> {
+        self.out.flush().map_err(|e| EngineError::Io { path: self.path.clone(), source: e })
+    }
+}
+
+/// Keeps the lines of a run's `metrics.jsonl` and `metrics.csv` up to `step` (the ones a
+/// resumed run would write again), each file rewritten through a rename.
+pub(crate) fn truncate_metrics(dir: &Path, step: u64) -> Result<(), EngineError> {
+    let keep = |path: &Path, keep_line: &dyn Fn(&str) -> bool| -> Result<(), EngineError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(EngineError::Io { path: path.to_path_buf(), source: e }),
+        };
+        let kept: String = text.lines().filter(|l| keep_line(l)).flat_map(|l| [l, "\n"]).collect();
+        write_atomic(path, kept.as_bytes())
+    };
+    keep(&dir.join("metrics.jsonl"), &|l| {
+        serde_json::from_str::<serde_json::Value>(l)
+            .ok()
+            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
+            .is_some_and(|s| s <= step)
+    })?;
+    keep(&dir.join("metrics.csv"), &|l| {
+        l.starts_with("step,") || l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= step)
+    })
+}
+
+/// The console table printed at the end of a run.
+pub fn summary_table(s: &RunSummary) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "trained {} steps ({} samples) in {:.1} s · {:.0} samples/s · train loss {:.4} -> {:.4}\n",
+        s.steps,
+        s.samples,
+        s.train_seconds,
+        s.samples as f64 / s.train_seconds.max(1e-9),
+        s.train_loss.0,
+        s.train_loss.1
+    ));
+    out.push_str(&trainrec_metrics::render_table("eval", &s.eval));
+    out.push_str(&format!("\nrun directory: {}", s.output_dir.display()));
+    out
+}
+
+pub(crate) fn human(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+pub(crate) fn progress_bar(steps: Option<u64>, enabled: bool) -> ProgressBar {
+    if !enabled || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = match steps {
+        Some(n) => ProgressBar::new(n).with_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps · {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        ),
+        None => ProgressBar::new_spinner().with_style(
+            ProgressStyle::with_template("{elapsed_precise} {spinner} {pos} steps · {msg}").expect("valid template"),
+        ),
+    };
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
+    bar
+}

@@ -1,0 +1,31 @@
+//! The process around a job: thread pools, libtorch's seeded generator, and how long ranks
+//! wait for each other.
+
+use std::time::Duration;
+
+/// How long a rank waits for the others in one collective before failing (thread backend).
+pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Sets libtorch's and the embedding kernels' thread counts.
+pub fn configure_threads(threads: Option<usize>) -> usize {
+    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    tch::set_num_threads(n as i32);
+    // libtorch accepts the inter-op pool size once per process, before any parallel work.
+    static INTEROP: std::sync::Once = std::sync::Once::new();
+    INTEROP.call_once(|| tch::set_num_interop_threads(1));
+    // The global pool can be set once per process; later jobs in the same process reuse it.
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+    n
+}
+
+/// Seeds libtorch's process-wide generator and runs `f` with no other job of this process
+/// reseeding it meanwhile: a model built in one thread draws its initial weights from its own
+/// seed even while jobs in other threads (ranks of a thread group, tests run in parallel)
+/// reseed per step. Draws made later, during a step (dropout), are exact only when one job
+/// runs in the process: the generator is shared.
+pub fn with_torch_seed<T>(seed: i64, f: impl FnOnce() -> T) -> T {
+    static TORCH_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = TORCH_RNG.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(seed);
+    f()
+}
