@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Provisions what the MPI backend (`trainrec-dist --features mpi`) needs: Open MPI (library,
+# Provisions what the MPI backend (`trainrec-comm --features mpi`) needs: Open MPI (library,
 # headers, mpirun) and libclang for the `mpi` crate's bindgen. Debian packages, about 10 s and
 # 150 MB, installed once with apt-get (as root, or through sudo without a password).
 # Exit 0 when MPI is ready; exit 1 with the reason when it cannot be installed here.

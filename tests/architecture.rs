@@ -481,12 +481,8 @@ fn code_lines(file: &Path) -> usize {
 
 /// Files still over the limit, each split by a move of issue 32 still to come. The list may
 /// only shrink: a file that gets under the limit must leave it (the test says so).
-const OVER_THE_LIMIT_FOR_NOW: &[&str] = &[
-    "framework/cuda/src/device.rs",
-    "framework/dist/src/sharded.rs",
-    "framework/embedding/src/cache.rs",
-    "framework/trainrec/src/cli.rs",
-];
+const OVER_THE_LIMIT_FOR_NOW: &[&str] =
+    &["framework/cuda/src/device.rs", "framework/embedding/src/cache.rs", "framework/trainrec/src/cli.rs"];
 
 #[test]
 fn no_source_file_over_the_line_limit() {

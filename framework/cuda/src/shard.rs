@@ -1,11 +1,12 @@
 //! [`CudaEbc`] as the engine of a rank's shards in a sharded collection
-//! ([`trainrec_dist::ShardEngine`]): [`trainrec_dist::ShardedEbc::move_shards`] puts a rank's
+//! ([`trainrec_sharding::ShardEngine`]): [`trainrec_sharding::ShardedEbc::move_shards`] puts a rank's
 //! shards and replicas on its GPU, and the sharding code and its collectives (NCCL on GPUs)
 //! stay those of the CPU engines. The sharded collection hands over host buffers: each lookup's
 //! output comes back to the host, each gradient goes up to the GPU.
 
-use trainrec_dist::{DistError, ShardEngine};
+use trainrec_comm::DistError;
 use trainrec_embedding::{CacheStats, RowBlock};
+use trainrec_sharding::ShardEngine;
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::{CudaEbc, CudaError};

@@ -314,7 +314,8 @@ fn reset_rows_give_the_cpu_collections_values_in_memory_and_in_the_cache() {
 /// rank's shards and replicas in an emulated `CudaEbc`; returns how many ran.
 fn sharded_cases_on_the_emulator(world: usize, weighted: bool) -> usize {
     use std::sync::Arc;
-    use trainrec_dist::{ProcessGroup, ShardEngine, ThreadGroup, conformance};
+    use trainrec_comm::{ProcessGroup, ThreadGroup};
+    use trainrec_sharding::{ShardEngine, conformance};
     let cases: Vec<conformance::Case> = conformance::cases(&conformance::standard_sizes(world, 0), weighted)
         .into_iter()
         .filter(|c| !c.sequence)
@@ -325,7 +326,7 @@ fn sharded_cases_on_the_emulator(world: usize, weighted: bool) -> usize {
         let mut make = |cpu: &trainrec_embedding::EmbeddingBagCollection| {
             CudaEbc::emulated(cpu)
                 .map(|g| Box::new(g) as Box<dyn ShardEngine>)
-                .map_err(|e| trainrec_dist::DistError::Module(e.to_string()))
+                .map_err(|e| trainrec_comm::DistError::Module(e.to_string()))
         };
         for case in &cases {
             conformance::run_case_on(pg.clone(), case, Some(&mut make))?;

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::{Value, json};
-use trainrec_dist::{ProcessGroup, ReduceOp, StepTimes};
+use trainrec_comm::{ProcessGroup, ReduceOp};
 use trainrec_recipe::{LoadOptions, PipelineKind};
+use trainrec_sharding::StepTimes;
 
 use crate::bench::{DlrmBench, TempDir, make_batches, median, recipe_toml};
 use crate::{Job, Registry};
@@ -162,7 +163,7 @@ pub fn run_rank(b: &PipelineBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<S
 
 /// [`run_rank`] on `world` ranks of the thread backend (one process).
 pub fn run_threads(b: &PipelineBench, world: usize) -> Result<String, String> {
-    let out = trainrec_dist::ThreadGroup::run(world.max(1), crate::runtime::COLLECTIVE_TIMEOUT, |pg| {
+    let out = trainrec_comm::ThreadGroup::run(world.max(1), crate::runtime::COLLECTIVE_TIMEOUT, |pg| {
         run_rank(b, Arc::new(pg))
     });
     let mut line = None;

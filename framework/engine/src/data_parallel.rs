@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use tch::{Tensor, nn};
-use trainrec_dist::{ProcessGroup, ProcessGroupExt, ReduceOp};
+use trainrec_comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 
 use crate::error::EngineError;
 
@@ -129,7 +129,7 @@ impl DataParallel {
         std::thread::scope(|s| -> Result<f64, EngineError> {
             let (to_comm, comm_in) = std::sync::mpsc::sync_channel::<Vec<f32>>(1);
             let (comm_out, from_comm) = std::sync::mpsc::sync_channel::<Vec<f32>>(1);
-            let comm = s.spawn(move || -> Result<(), trainrec_dist::DistError> {
+            let comm = s.spawn(move || -> Result<(), trainrec_comm::DistError> {
                 for mut flat in comm_in {
                     pg.all_reduce_f32(&mut flat, ReduceOp::Sum)?;
                     if comm_out.send(flat).is_err() {

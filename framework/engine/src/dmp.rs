@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tch::nn;
-use trainrec_dist::{LocalShard, Module, ProcessGroup, ShardedModule, ShardingPlan, shard_modules};
+use trainrec_comm::ProcessGroup;
+use trainrec_sharding::{LocalShard, Module, ShardedModule, ShardingPlan, shard_modules};
 
 use crate::data_parallel::{DEFAULT_BUCKET_MIB, DataParallel};
 use crate::error::EngineError;

@@ -22,7 +22,7 @@ pub enum EngineError {
     Metric(#[from] trainrec_metrics::MetricError),
     /// A collective across ranks failed (a peer left, timed out or diverged).
     #[error("distributed: {0}")]
-    Dist(#[from] trainrec_dist::DistError),
+    Dist(#[from] trainrec_comm::DistError),
     /// The CUDA engine failed.
     #[error("cuda: {0}")]
     Cuda(#[from] trainrec_cuda::CudaError),

@@ -4,9 +4,9 @@
 //! as device memory (no copy).
 //!
 //! Across ranks (`topology.world_size > 1`), rank `r` trains on GPU `r % local_world_size`:
-//! the tables are sharded by the plan as on CPU ([`trainrec_dist::ShardedEbc`]), each rank's
+//! the tables are sharded by the plan as on CPU ([`trainrec_sharding::ShardedEbc`]), each rank's
 //! shards and replicas moved into a `CudaEbc` on its GPU, and the ranks talk through an NCCL
-//! process group ([`trainrec_dist::NcclGroup`], bootstrapped over the thread or MPI group)
+//! process group ([`trainrec_comm::NcclGroup`], bootstrapped over the thread or MPI group)
 //! used by the same sharding code and dense data parallelism as the CPU engines.
 //!
 //! trainrec links libtorch's CPU libraries (the `.libtorch/` install has no CUDA half), so the
@@ -160,11 +160,11 @@ fn load_torch_cuda() -> Result<(), String> {
 /// This rank's NCCL process group on GPU `gpu`, bootstrapped over `bootstrap` (collective).
 /// A machine without NCCL is a recipe error at `topology.compute_device` on every rank.
 pub(crate) fn nccl_group(
-    bootstrap: &dyn trainrec_dist::ProcessGroup,
+    bootstrap: &dyn trainrec_comm::ProcessGroup,
     gpu: usize,
     loaded: &LoadedRecipe,
-) -> Result<std::sync::Arc<dyn trainrec_dist::ProcessGroup>, EngineError> {
-    let group = trainrec_dist::NcclGroup::new(bootstrap, gpu, crate::runtime::COLLECTIVE_TIMEOUT).map_err(|e| {
+) -> Result<std::sync::Arc<dyn trainrec_comm::ProcessGroup>, EngineError> {
+    let group = trainrec_comm::NcclGroup::new(bootstrap, gpu, crate::runtime::COLLECTIVE_TIMEOUT).map_err(|e| {
         diagnostic(
             loaded,
             KeyPath::root().key("topology").key("compute_device"),

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use indicatif::ProgressBar;
 use tch::{Device, nn};
+use trainrec_comm::ProcessGroup;
 use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
-use trainrec_dist::ProcessGroup;
 use trainrec_embedding::EmbeddingBagCollection;
 use trainrec_metrics::ThroughputMetric;
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
@@ -164,9 +164,9 @@ impl Job {
                     let bounds = recipe.embedding.bounds_check;
                     sharded.move_shards(|cpu| {
                         let mut gpu =
-                            target.collection(cpu).map_err(|e| trainrec_dist::DistError::Module(e.to_string()))?;
+                            target.collection(cpu).map_err(|e| trainrec_comm::DistError::Module(e.to_string()))?;
                         gpu.set_bounds_check(bounds);
-                        Ok(Box::new(gpu) as Box<dyn trainrec_dist::ShardEngine>)
+                        Ok(Box::new(gpu) as Box<dyn trainrec_sharding::ShardEngine>)
                     })?;
                     tracing::info!(rank = pg.rank(), gpu = ?target.gpu(), "this rank's shards in the CUDA engine");
                 }
@@ -240,12 +240,12 @@ impl Job {
     /// The last training step's phase times on this rank, for sharded jobs: input dist,
     /// lookup, output dist, gradient dist, update (a pipeline's input dist ran on its stage
     /// thread, hidden behind the previous step's dense part).
-    pub fn last_step_times(&self) -> Option<trainrec_dist::StepTimes> {
+    pub fn last_step_times(&self) -> Option<trainrec_sharding::StepTimes> {
         self.pipeline.last_times()
     }
 
     /// The process group of a job trained across ranks.
-    pub fn group(&self) -> Option<&std::sync::Arc<dyn trainrec_dist::ProcessGroup>> {
+    pub fn group(&self) -> Option<&std::sync::Arc<dyn trainrec_comm::ProcessGroup>> {
         self.sync.as_ref().map(|s| &s.pg)
     }
 
@@ -262,7 +262,7 @@ impl Job {
     fn cache_values_of_all_ranks(&self) -> Result<BTreeMap<String, f64>, EngineError> {
         let mine = self.sparse.cache_metric_values();
         let Some(sync) = &self.sync else { return Ok(mine) };
-        use trainrec_dist::ProcessGroupExt;
+        use trainrec_comm::ProcessGroupExt;
         let bytes = serde_json::to_vec(&mine).map_err(|e| EngineError::Internal(format!("cache counters: {e}")))?;
         let counts: Vec<usize> = sync.pg.all_gather_u64(bytes.len() as u64)?.into_iter().map(|n| n as usize).collect();
         let all = sync.pg.all_gather_v(&bytes, &counts)?;
@@ -326,7 +326,7 @@ impl Job {
     }
 
     /// This rank's shards of every table with their fused optimizer's state.
-    pub fn local_shards(&self) -> Vec<trainrec_dist::LocalShard> {
+    pub fn local_shards(&self) -> Vec<trainrec_sharding::LocalShard> {
         self.sparse.local_shards()
     }
 

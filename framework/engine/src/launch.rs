@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
+use trainrec_comm::{ProcessGroup, ThreadGroup};
 use trainrec_data::FeatureSchema;
-use trainrec_dist::{ProcessGroup, ThreadGroup};
 use trainrec_recipe::LoadedRecipe;
 
 use crate::error::EngineError;
@@ -107,7 +107,7 @@ pub fn run_mpi(
     registry: &Registry,
     resume: Option<&std::path::Path>,
 ) -> Result<Option<RunSummary>, EngineError> {
-    let pg = trainrec_dist::MpiGroup::init(COLLECTIVE_TIMEOUT)?;
+    let pg = trainrec_comm::MpiGroup::init(COLLECTIVE_TIMEOUT)?;
     configure_threads(loaded.recipe.run.threads);
     let rank = pg.rank();
     let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
@@ -116,5 +116,5 @@ pub fn run_mpi(
 }
 
 fn is_peer_gone(e: &EngineError) -> bool {
-    matches!(e, EngineError::Dist(trainrec_dist::DistError::PeerGone { .. }))
+    matches!(e, EngineError::Dist(trainrec_comm::DistError::PeerGone { .. }))
 }

@@ -19,10 +19,11 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use trainrec_dist::{InputDist, ProcessGroup, ProcessGroupExt, ShardedEbc, TableSharding};
+use trainrec_comm::{ProcessGroup, ProcessGroupExt};
 use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig, McState, McStats};
 use trainrec_planner::{Plan, ShardingType};
 use trainrec_recipe::{FeatureRef, McPolicy, Recipe};
+use trainrec_sharding::{InputDist, ShardedEbc, TableSharding};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::error::EngineError;

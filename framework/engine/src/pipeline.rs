@@ -13,10 +13,10 @@
 
 use tch::{Device, Kind, Tensor};
 use trainrec_data::{Batch, BatchStream, DataError};
-use trainrec_dist::DistContext;
 use trainrec_embedding::EmbeddingBagCollection;
 use trainrec_models::{DenseModel, DenseOptimizer, LossInput};
 use trainrec_recipe::PipelineKind;
+use trainrec_sharding::DistContext;
 
 use crate::data_parallel::DataParallel;
 use crate::error::EngineError;
@@ -121,7 +121,7 @@ pub(crate) struct Pipeline {
     /// copied to the GPU (one-GPU jobs).
     staged: Option<Ahead>,
     /// The last sharded step's phase times (its input dist's wherever it ran).
-    last_times: Option<trainrec_dist::StepTimes>,
+    last_times: Option<trainrec_sharding::StepTimes>,
 }
 
 impl Pipeline {
@@ -131,7 +131,7 @@ impl Pipeline {
     }
 
     /// The last training step's phase times on this rank, for sharded jobs.
-    pub fn last_times(&self) -> Option<trainrec_dist::StepTimes> {
+    pub fn last_times(&self) -> Option<trainrec_sharding::StepTimes> {
         self.last_times
     }
 
@@ -339,7 +339,7 @@ fn cuda_tensors(
 /// A batch a pipeline staged ahead of its step.
 pub(crate) enum Ahead {
     /// A sharded job's: its input dist.
-    Dist(Box<trainrec_dist::InputDist>),
+    Dist(Box<trainrec_sharding::InputDist>),
     /// A one-GPU job's: its ids, dense features and labels copied to the GPU.
     Gpu(trainrec_cuda::StagedBatch),
 }
@@ -363,7 +363,7 @@ enum Stage<'a> {
     /// into the GPU caches of cached tables.
     Cuda(&'a Batch, &'a mut trainrec_cuda::CudaEbc, bool),
     /// Sharded: the batch's input dist, then (with `true`) its rows into the shards' caches.
-    InputDist(&'a Batch, &'a mut trainrec_dist::ShardedEbc, bool),
+    InputDist(&'a Batch, &'a mut trainrec_sharding::ShardedEbc, bool),
 }
 
 impl Stage<'_> {

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tch::Tensor;
-use trainrec_dist::{DistContext, ProcessGroup, ShardedEbc, ShardingPlan};
+use trainrec_comm::ProcessGroup;
 use trainrec_embedding::EmbeddingBagCollection;
+use trainrec_sharding::{DistContext, ShardedEbc, ShardingPlan};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::error::EngineError;
@@ -36,7 +37,7 @@ impl SparseArch {
     pub(crate) fn forward(
         &self,
         kjt: &KeyedJaggedTensor,
-        staged: Option<trainrec_dist::InputDist>,
+        staged: Option<trainrec_sharding::InputDist>,
     ) -> Result<(Tensor, Option<DistContext>), EngineError> {
         match self {
             // One rank: a deduplicated batch is looked up expanded.
@@ -91,7 +92,7 @@ impl SparseArch {
     /// `cache/<table>/{hit_rate,misses,evictions,loaded_mib}`, cumulative.
     pub(crate) fn cache_metric_values(&self) -> BTreeMap<String, f64> {
         let mut out = BTreeMap::new();
-        let engines: Vec<&dyn trainrec_dist::ShardEngine> = match self {
+        let engines: Vec<&dyn trainrec_sharding::ShardEngine> = match self {
             Self::Local(ebc) => vec![ebc.as_ref()],
             Self::Sharded(s) => s.local().into_iter().chain(s.replicas()).collect(),
             Self::Quantized(_) => return out,
@@ -125,7 +126,7 @@ impl SparseArch {
         kjt: &KeyedJaggedTensor,
         ctx: Option<DistContext>,
         grad: &Tensor,
-    ) -> Result<Option<trainrec_dist::StepTimes>, EngineError> {
+    ) -> Result<Option<trainrec_sharding::StepTimes>, EngineError> {
         match (self, ctx) {
             (Self::Local(ebc), _) => {
                 let kjt = kjt.full_batch()?;
@@ -163,7 +164,7 @@ impl SparseArch {
     }
 
     /// This rank's shards of every table (each whole table on one rank).
-    pub(crate) fn local_shards(&self) -> Vec<trainrec_dist::LocalShard> {
+    pub(crate) fn local_shards(&self) -> Vec<trainrec_sharding::LocalShard> {
         match self {
             Self::Local(ebc) => ebc
                 .table_configs()
@@ -195,7 +196,7 @@ impl SparseArch {
 
     /// Restores shards in the layout [`SparseArch::local_shards`] gives (each whole table on
     /// one rank; across ranks, this rank's shards).
-    pub(crate) fn load_local_shards(&mut self, shards: Vec<trainrec_dist::LocalShard>) -> Result<(), EngineError> {
+    pub(crate) fn load_local_shards(&mut self, shards: Vec<trainrec_sharding::LocalShard>) -> Result<(), EngineError> {
         match self {
             Self::Local(ebc) => {
                 for s in shards {
@@ -255,8 +256,8 @@ fn whole_table(
     weights: Option<Vec<f32>>,
     state: Option<Vec<f32>>,
     steps: Option<u64>,
-) -> trainrec_dist::LocalShard {
-    trainrec_dist::LocalShard {
+) -> trainrec_sharding::LocalShard {
+    trainrec_sharding::LocalShard {
         table: name.to_string(),
         table_shape: [rows as usize, dim],
         rows: 0..rows,

@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use tch::nn::Module as _;
 use tch::{Kind, Tensor, nn};
-use trainrec_dist::{Module, ProcessGroup, ShardedModule, ShardingPlan, TableSharding, ThreadGroup};
+use trainrec_comm::{ProcessGroup, ThreadGroup};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig};
 use trainrec_engine::{DistributedModelParallel, StateEntry};
+use trainrec_sharding::{Module, ShardedModule, ShardingPlan, TableSharding};
 use trainrec_sparse::KeyedJaggedTensor;
 
 const TOTAL: usize = 8;

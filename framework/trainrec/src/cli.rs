@@ -840,7 +840,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
         },
         Command::DeviceCheck { device, steps } => print_bench(device_check(device, steps)),
         Command::Bench { which: BenchCommand::Dist(a) } => {
-            let b = trainrec_dist::bench::DistBench {
+            let b = trainrec_sharding::bench::DistBench {
                 tables: a.tables,
                 rows: a.rows,
                 dim: a.dim,
@@ -947,15 +947,15 @@ fn validate(registry: &Registry, recipes: &[PathBuf], options: &LoadOptions) -> 
 
 /// Prints a benchmark's JSON line, or its error (exit 2: bad flags or inputs).
 /// `bench dist` on threads, or as this process's rank under `mpirun` (rank 0 prints).
-fn bench_dist(b: &trainrec_dist::bench::DistBench, world: usize) -> ExitCode {
+fn bench_dist(b: &trainrec_sharding::bench::DistBench, world: usize) -> ExitCode {
     // As `trainrec run` does: the step's large buffers reuse mapped pages.
     trainrec_engine::tensors::tune_allocator();
     if trainrec_engine::launch::mpirun_world_size().is_some() {
         #[cfg(feature = "mpi")]
         {
-            let run = || -> Result<Option<String>, trainrec_dist::DistError> {
-                let pg = trainrec_dist::MpiGroup::init(std::time::Duration::from_secs(300))?;
-                trainrec_dist::bench::run_rank(b, std::sync::Arc::new(pg))
+            let run = || -> Result<Option<String>, trainrec_comm::DistError> {
+                let pg = trainrec_comm::MpiGroup::init(std::time::Duration::from_secs(300))?;
+                trainrec_sharding::bench::run_rank(b, std::sync::Arc::new(pg))
             };
             return match run() {
                 Ok(Some(line)) => print_bench(Ok::<_, String>(line)),
@@ -968,7 +968,7 @@ fn bench_dist(b: &trainrec_dist::bench::DistBench, world: usize) -> ExitCode {
             "started by mpirun, but this trainrec binary has no MPI support: build it with --features mpi",
         ));
     }
-    print_bench(trainrec_dist::bench::run_threads(b, world))
+    print_bench(trainrec_sharding::bench::run_threads(b, world))
 }
 
 /// `bench pipeline` on threads, or as this process's rank under `mpirun` (rank 0 prints).
@@ -978,7 +978,7 @@ fn bench_pipeline(b: &trainrec_engine::bench_pipeline::PipelineBench, world: usi
         {
             let run = || -> Result<Option<String>, String> {
                 let pg =
-                    trainrec_dist::MpiGroup::init(std::time::Duration::from_secs(300)).map_err(|e| e.to_string())?;
+                    trainrec_comm::MpiGroup::init(std::time::Duration::from_secs(300)).map_err(|e| e.to_string())?;
                 trainrec_engine::bench_pipeline::run_rank(b, std::sync::Arc::new(pg))
             };
             return match run() {

@@ -6,8 +6,8 @@
 pub mod cli;
 pub mod report;
 
+pub use trainrec_comm as comm;
 pub use trainrec_data as data;
-pub use trainrec_dist as dist;
 pub use trainrec_embedding as embedding;
 pub use trainrec_engine as engine;
 pub use trainrec_engine::{EngineError, Job, RunSummary};
@@ -19,6 +19,7 @@ pub use trainrec_plugin::{
     conformance,
 };
 pub use trainrec_recipe as recipe;
+pub use trainrec_sharding as sharding;
 pub use trainrec_sparse as sparse;
 
 /// The names most programs need.

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, View};
 use serde::{Deserialize, Serialize};
-use trainrec_dist::{LocalShard, ProcessGroup, ProcessGroupExt};
+use trainrec_comm::{ProcessGroup, ProcessGroupExt};
 use trainrec_embedding::StatePart;
+use trainrec_sharding::LocalShard;
 
 /// The manifest's `format`.
 pub const FORMAT: &str = "trainrec-checkpoint";

@@ -13,7 +13,8 @@ use trainrec_embedding::{EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig,
 use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{DistError, ProcessGroup, ReduceOp, ShardedEbc, StepTimes, TableSharding, ThreadGroup};
+use crate::{ShardedEbc, StepTimes, TableSharding};
+use trainrec_comm::{DistError, ProcessGroup, ReduceOp, ThreadGroup};
 
 /// The benchmark's shape.
 #[derive(Clone, Debug)]

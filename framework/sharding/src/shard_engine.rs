@@ -10,8 +10,8 @@
 use trainrec_embedding::{CacheStats, EmbeddingBagCollection, RowBlock};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::group::DistError;
-use crate::group::module;
+use crate::module;
+use trainrec_comm::DistError;
 
 /// One rank's tables (its shards, or its data-parallel replicas) and the kernels over them.
 /// Every method takes and returns host memory; names are the local tables' (shards are named

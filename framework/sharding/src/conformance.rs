@@ -2,7 +2,7 @@
 //! steps of the [`ShardedEbc`] (and of the [`ShardedEc`]), each rank with its own (uneven)
 //! part of the batch, must equal the unsharded collection trained on the global batch: the
 //! same pooled (per-id) outputs every step and the same weights after (fp32, within 1e-5). The thread backend runs them in `cargo
-//! test`; the MPI backend runs them under `mpirun` (`trainrec-dist-mpi-check`).
+//! test`; the MPI backend runs them under `mpirun` (`trainrec-sharding-mpi-check`).
 //!
 //! Every rank computes the unsharded reference itself (the inputs are deterministic), so a
 //! check needs no communication besides the sharded collection's own.
@@ -17,7 +17,8 @@ use trainrec_embedding::{
 use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{DistError, ProcessGroup, ShardEngine, ShardSpec, ShardedEbc, ShardedEc, TableSharding};
+use crate::{ShardEngine, ShardSpec, ShardedEbc, ShardedEc, TableSharding};
+use trainrec_comm::{DistError, ProcessGroup};
 
 /// Training steps per case.
 pub const STEPS: usize = 3;
@@ -166,7 +167,7 @@ pub fn run_case_on(pg: Arc<dyn ProcessGroup>, case: &Case, engine: Option<MakeEn
     }
 
     let r = pg.rank();
-    let d = |e: crate::DistError| format!("{name}: rank {r}: {e}");
+    let d = |e: trainrec_comm::DistError| format!("{name}: rank {r}: {e}");
     let mut ebc = ShardedEbc::new_on_hosts(
         tables(),
         case.shardings.clone(),
@@ -242,7 +243,7 @@ fn run_sequence_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), Strin
     }
 
     let r = pg.rank();
-    let d = |e: crate::DistError| format!("{name}: rank {r}: {e}");
+    let d = |e: trainrec_comm::DistError| format!("{name}: rank {r}: {e}");
     let mut ec = ShardedEc::new(tables(), case.shardings.clone(), case.optimizer.clone(), 99, pg).map_err(d)?;
     if ec.output_keys() != KEYS {
         return Err(format!("{name}: outputs {:?}", ec.output_keys()));

@@ -25,11 +25,13 @@ use std::sync::Arc;
 use trainrec_embedding::{EmbeddingBagConfig, EmbeddingCollection, SequenceEmbeddings, SparseOptimizerConfig};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::group::{DistError, ProcessGroup, ProcessGroupExt, module};
-use crate::sharded::{
-    Layout, LocalShard, Output, Route, check_shardings, initial_replica_weights, initial_shard_weights,
-    merge_by_source, parts, resolve_inputs,
-};
+use trainrec_comm::{DistError, ProcessGroup, ProcessGroupExt};
+
+use crate::layout::{Layout, Output, Route, initial_replica_weights, initial_shard_weights, resolve_inputs};
+use crate::module;
+use crate::state::{LocalShard, parts};
+use crate::tiling::check_shardings;
+use crate::two_stage::merge_by_source;
 use crate::{StepTimes, TableSharding};
 
 /// What a [`ShardedEc::forward`] leaves for its backward.

@@ -7,12 +7,11 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use trainrec_dist::{
-    LocalShard, Module, ProcessGroup, ShardedModule, ShardingPlan, TableSharding, ThreadGroup, shard_ebc, shard_modules,
-};
+use trainrec_comm::{ProcessGroup, ThreadGroup};
 use trainrec_embedding::{
     EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, PoolingMode, SparseOptimizerConfig,
 };
+use trainrec_sharding::{LocalShard, Module, ShardedModule, ShardingPlan, TableSharding, shard_ebc, shard_modules};
 use trainrec_sparse::KeyedJaggedTensor;
 
 fn tables() -> Vec<EmbeddingBagConfig> {

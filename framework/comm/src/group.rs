@@ -270,7 +270,7 @@ pub(crate) fn check_gather(
 }
 
 /// Where each of `counts` consecutive parts starts (exclusive prefix sums).
-pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
+pub fn offsets(counts: &[usize]) -> Vec<usize> {
     counts
         .iter()
         .scan(0, |at, &c| {
@@ -287,9 +287,4 @@ pub(crate) fn check_root(op: &'static str, root: usize, world: usize) -> Result<
         return Err(DistError::Invalid { op, message: format!("root {root} outside world size {world}") });
     }
     Ok(())
-}
-
-/// An error of a local collection (a module of the sharded collection) as a [`DistError`].
-pub(crate) fn module<E: std::fmt::Display>(e: E) -> DistError {
-    DistError::Module(e.to_string())
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use trainrec_dist::{NcclGroup, ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup};
+use trainrec_comm::{NcclGroup, ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup};
 
 #[test]
 fn without_a_gpu_every_rank_gets_the_reason() {

@@ -1,5 +1,5 @@
-//! `trainrec-dist-mpi-check`: the sharded collection's equivalence checks on the MPI backend,
-//! one process per rank: `mpirun -n 2 trainrec-dist-mpi-check`. Prints one line per rank and
+//! `trainrec-sharding-mpi-check`: the sharded collection's equivalence checks on the MPI backend,
+//! one process per rank: `mpirun -n 2 trainrec-sharding-mpi-check`. Prints one line per rank and
 //! exits non-zero when a check fails.
 //!
 //! `--leave R` makes rank `R` exit (code 9) before the first collective and `--stall R` makes it
@@ -13,8 +13,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use trainrec_dist::conformance::{cases, host_cases, run_case, standard_sizes};
-use trainrec_dist::{MpiGroup, NcclGroup, ProcessGroup};
+use trainrec_comm::{MpiGroup, NcclGroup, ProcessGroup};
+use trainrec_sharding::conformance::{cases, host_cases, run_case, standard_sizes};
 
 fn flag(args: &[String], name: &str) -> Option<u64> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok())

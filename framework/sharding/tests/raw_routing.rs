@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use trainrec_dist::{ProcessGroup, ShardedEbc, TableSharding, ThreadGroup};
+use trainrec_comm::{ProcessGroup, ThreadGroup};
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig};
+use trainrec_sharding::{ShardedEbc, TableSharding};
 use trainrec_sparse::KeyedJaggedTensor;
 
 /// Raw ids of `a` in `0..RAW`, blocks of `BLOCK` per shard; `b` is plain.

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 fn mpirun(ranks: usize, extra: &[&str]) -> (Output, Duration) {
     let start = Instant::now();
     let out = Command::new("mpirun")
-        .args(["--oversubscribe", "-n", &ranks.to_string(), env!("CARGO_BIN_EXE_trainrec-dist-mpi-check")])
+        .args(["--oversubscribe", "-n", &ranks.to_string(), env!("CARGO_BIN_EXE_trainrec-sharding-mpi-check")])
         .args(extra)
         // Open MPI refuses to run as root without these (CI containers run as root).
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .output()
-        .expect("mpirun runs (scripts/install-mpi.sh installs Open MPI)");
+        .expect("mpirun runs (scripts/ensure-mpi.sh installs Open MPI)");
     (out, start.elapsed())
 }
 
@@ -30,7 +30,7 @@ fn every_sharding_type_equals_unsharded_on_two_and_three_processes() {
         let (out, _) = mpirun(ranks, &[]);
         let t = text(&out);
         assert!(out.status.success(), "{t}");
-        use trainrec_dist::conformance::{cases, host_cases, standard_sizes};
+        use trainrec_sharding::conformance::{cases, host_cases, standard_sizes};
         let n =
             2 * cases(&standard_sizes(ranks, 0), false).len() + host_cases(&standard_sizes(ranks, 2), false, 1).len();
         for r in 0..ranks {
@@ -61,7 +61,7 @@ fn a_stalled_rank_times_out_with_the_collective_named() {
 fn nccl_over_mpi_runs_the_checks_or_says_why_not() {
     let (out, took) = mpirun(2, &["--nccl", "--timeout-ms", "20000"]);
     let t = text(&out);
-    match trainrec_dist::NcclGroup::probe() {
+    match trainrec_comm::NcclGroup::probe() {
         // One GPU per rank: two ranks need two GPUs.
         Ok(gpus) if gpus >= 2 => {
             assert!(out.status.success(), "{t}");

@@ -14,7 +14,8 @@ use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCo
 use trainrec_planner::Plan;
 
 use crate::shard_engine::LocalTables;
-use crate::{DistError, ProcessGroup, ShardedEbc, ShardedEc, TableSharding};
+use crate::{ShardedEbc, ShardedEc, TableSharding};
+use trainrec_comm::{DistError, ProcessGroup};
 
 /// Where each table goes, by table name (TorchRec's per-parameter sharding plan).
 #[derive(Clone, Debug, Default, PartialEq)]

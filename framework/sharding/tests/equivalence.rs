@@ -1,12 +1,13 @@
 //! Every sharding type on 2 and 3 ranks of the thread backend equals the unsharded collection
-//! (the checks of `trainrec_dist::conformance`, which the MPI backend runs under `mpirun`).
+//! (the checks of `trainrec_sharding::conformance`, which the MPI backend runs under `mpirun`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use trainrec_dist::conformance::{Case, cases, host_cases, run_case, standard_sizes, tables};
-use trainrec_dist::{ProcessGroup, ShardedEbc, TableSharding, ThreadGroup};
+use trainrec_comm::{ProcessGroup, ThreadGroup};
 use trainrec_embedding::SparseOptimizerConfig;
+use trainrec_sharding::conformance::{Case, cases, host_cases, run_case, standard_sizes, tables};
+use trainrec_sharding::{ShardedEbc, TableSharding};
 use trainrec_sparse::KeyedJaggedTensor;
 
 fn run_all(world: usize, all: Vec<Case>) {

@@ -1,0 +1,39 @@
+//! Sharding: embedding tables split over the ranks of a process group by a sharding plan.
+//! The [`ShardedEbc`] is an embedding bag collection whose tables are tiled into blocks held by
+//! the ranks ([`TableSharding`]), with its input dist (ids to the ranks holding their rows)
+//! and output dist (pooled embeddings back to the ranks that own the examples); the
+//! [`ShardedEc`] is its unpooled counterpart (one embedding per id, for sequence models). Each
+//! rank's shards are computed by a [`ShardEngine`] (the CPU collection, or the CUDA one).
+//! Communication is `trainrec-comm`'s [`ProcessGroup`](trainrec_comm::ProcessGroup).
+//!
+//! The files, in the order of a step: [`tiling`] (the vocabulary), `layout` (who looks up
+//! what, built once), [`shard_engine`] (the contract of a rank's local tables), `state`
+//! (shards, gathering and loading tables), `ebc` (the collection), `step` (input dist,
+//! lookup, output dist, backward), `two_stage` (row blocks summed on their host first),
+//! [`ec`] (the unpooled collection), [`modules`] (sharding a model's modules by a plan).
+
+pub mod bench;
+pub mod conformance;
+mod ebc;
+pub mod ec;
+mod layout;
+pub mod modules;
+pub mod shard_engine;
+mod state;
+mod step;
+pub mod tiling;
+mod two_stage;
+
+pub use ebc::ShardedEbc;
+pub use ec::{EcContext, ShardedEc};
+pub use modules::{Module, ShardedModule, ShardingPlan, shard_ebc, shard_ec, shard_modules};
+pub use shard_engine::ShardEngine;
+pub use state::LocalShard;
+pub use step::{DistContext, InputDist, StepTimes};
+pub use tiling::{ShardSpec, TableSharding};
+
+/// An error of a local collection (a module of the sharded collection) as a [`DistError`].
+/// An error of a local collection (a module of the sharded collection) as a [`DistError`].
+pub(crate) fn module<E: std::fmt::Display>(e: E) -> trainrec_comm::DistError {
+    trainrec_comm::DistError::Module(e.to_string())
+}
