@@ -479,30 +479,20 @@ fn code_lines(file: &Path) -> usize {
     total - test_lines
 }
 
-/// Files still over the limit, each split by a move of issue 32 still to come. The list may
-/// only shrink: a file that gets under the limit must leave it (the test says so).
-const OVER_THE_LIMIT_FOR_NOW: &[&str] =
-    &["framework/cuda/src/device.rs", "framework/embedding/src/cache.rs", "framework/trainrec/src/cli.rs"];
-
 #[test]
 fn no_source_file_over_the_line_limit() {
     let mut over = Vec::new();
-    let mut under = Vec::new();
     for root_file in crate_roots() {
         let tree = ModTree::build(&root_file);
         let files: BTreeSet<&PathBuf> = tree.files.values().filter(|f| !tree.test_files.contains(*f)).collect();
         for f in files {
             let n = code_lines(f);
-            let listed = OVER_THE_LIMIT_FOR_NOW.contains(&rel(f).as_str());
-            if n > MAX_CODE_LINES && !listed {
+            if n > MAX_CODE_LINES {
                 over.push(format!("{} ({n} lines of non-test code)", rel(f)));
-            } else if n <= MAX_CODE_LINES && listed {
-                under.push(rel(f));
             }
         }
     }
     assert!(over.is_empty(), "files over {MAX_CODE_LINES} lines of non-test code:\n  {}", over.join("\n  "));
-    assert!(under.is_empty(), "under the limit now, take them off OVER_THE_LIMIT_FOR_NOW: {under:?}");
 }
 
 /// The checker itself, on a made-up crate: a circle through a re-export, through `super::`

@@ -15,13 +15,13 @@
 //!   GPU, NVRTC) as an error instead of cudarc's panic on a failed library load.
 
 mod backend;
-pub mod bench;
 pub mod check;
 mod copy;
 mod device;
 pub mod host;
 mod nvrtc;
 mod shard;
+mod table;
 
 pub use copy::{CopyStream, Staged};
 pub use device::{CudaEbc, DeviceBuffer, GpuInfo, StagedBatch, probe};

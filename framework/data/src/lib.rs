@@ -11,10 +11,9 @@
 //!
 //! The file samplers read through [`stream`]: worker threads parse fixed chunks (blocks of
 //! lines, row ranges, row groups) into a bounded queue and the batch iterator reassembles them
-//! in chunk order, so batches do not depend on `num_workers`. [`bench::bench_readers`]
-//! measures their throughput.
+//! in chunk order, so batches do not depend on `num_workers`. `trainrec bench data` measures
+//! their throughput (the `trainrec-bench` crate).
 
-pub mod bench;
 mod columns;
 pub mod criteo;
 pub mod criteo_binary;
@@ -29,7 +28,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 pub use crate::parquet::{ParquetConfig, ParquetSampler};
-pub use bench::{BenchOptions, BenchReport, BenchResult, bench_readers};
+pub use columns::LabelColumns;
 pub use criteo::{CriteoTsvConfig, CriteoTsvSampler};
 pub use criteo_binary::{CriteoBinaryConfig, CriteoBinarySampler};
 pub use csv::{CsvConfig, CsvSampler};

@@ -8,7 +8,7 @@
 //! Embedding weights are not autograd parameters: the dense model receives the pooled output
 //! as a leaf tensor and [`EmbeddingBagCollection::backward_and_update`] consumes its gradient.
 
-pub mod bench;
+mod backing;
 mod cache;
 mod collection;
 mod config;

@@ -61,7 +61,7 @@ pub(crate) struct BatchLayout {
 
 /// The recipe's embedding tables as one collection with their fused optimizers and bounds
 /// check (shared by [`Job::build`] and the W2 benchmark).
-pub(crate) fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_embedding::EmbeddingError> {
+pub fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_embedding::EmbeddingError> {
     let mut ebc = EmbeddingBagCollection::new(recipe_tables(recipe), recipe.optimizer.sparse.clone(), recipe.run.seed)?;
     ebc.set_bounds_check(recipe.embedding.bounds_check);
     Ok(ebc)

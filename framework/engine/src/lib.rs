@@ -11,8 +11,6 @@
 //! - launch: [`launch`] (one rank, thread ranks, MPI ranks);
 //! - for programs that drive their own steps: [`dmp`].
 
-pub mod bench;
-pub mod bench_pipeline;
 pub mod check;
 pub mod checkpoint;
 pub mod data_parallel;

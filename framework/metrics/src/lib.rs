@@ -17,7 +17,6 @@
 
 mod auc;
 mod auprc;
-pub mod bench;
 mod error;
 mod kernels;
 mod metric;

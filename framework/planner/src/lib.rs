@@ -15,7 +15,6 @@
 //! let p = plan(&input).unwrap();
 //! assert_eq!(p.tables[0].shards.iter().map(|s| s.size[0] * s.size[1]).sum::<u64>() % 64_000_000, 0);
 //! ```
-pub mod bench;
 mod enumerate;
 mod estimate;
 mod partition;

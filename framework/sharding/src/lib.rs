@@ -12,7 +12,6 @@
 //! lookup, output dist, backward), `two_stage` (row blocks summed on their host first),
 //! [`ec`] (the unpooled collection), [`modules`] (sharding a model's modules by a plan).
 
-pub mod bench;
 pub mod conformance;
 mod ebc;
 pub mod ec;

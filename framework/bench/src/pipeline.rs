@@ -13,8 +13,9 @@ use trainrec_comm::{ProcessGroup, ReduceOp};
 use trainrec_recipe::{LoadOptions, PipelineKind};
 use trainrec_sharding::StepTimes;
 
-use crate::bench::{DlrmBench, TempDir, make_batches, median, recipe_toml};
-use crate::{Job, Registry};
+use crate::dlrm::{DlrmBench, TempDir, make_batches, recipe_toml};
+use crate::stats::median;
+use trainrec_engine::{Job, Registry};
 
 /// The pipeline benchmark's settings.
 #[derive(Clone, Debug)]
@@ -63,8 +64,8 @@ pub fn run_rank(b: &PipelineBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<S
     if b.kinds.is_empty() {
         return Err("give at least one pipeline kind".into());
     }
-    crate::tensors::tune_allocator();
-    crate::configure_threads((d.threads > 0).then_some(d.threads));
+    trainrec_engine::tensors::tune_allocator();
+    trainrec_engine::configure_threads((d.threads > 0).then_some(d.threads));
     let (world, me) = (pg.world_size(), pg.rank());
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_nanos());
     let dir =
@@ -92,7 +93,7 @@ pub fn run_rank(b: &PipelineBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<S
         }
         let options = LoadOptions { overrides, env: false };
         let (loaded, features) =
-            crate::load_and_check(&path, &options, &registry).map_err(|e| format!("bench recipe: {e}"))?;
+            trainrec_engine::load_and_check(&path, &options, &registry).map_err(|e| format!("bench recipe: {e}"))?;
         let batches = make_batches(&mine, &features)?;
         let mut job = Job::build_rank(&loaded, &features, &registry, Some(pg.clone())).map_err(|e| e.to_string())?;
         let ahead = kind != PipelineKind::Base;
@@ -163,7 +164,7 @@ pub fn run_rank(b: &PipelineBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<S
 
 /// [`run_rank`] on `world` ranks of the thread backend (one process).
 pub fn run_threads(b: &PipelineBench, world: usize) -> Result<String, String> {
-    let out = trainrec_comm::ThreadGroup::run(world.max(1), crate::runtime::COLLECTIVE_TIMEOUT, |pg| {
+    let out = trainrec_comm::ThreadGroup::run(world.max(1), trainrec_engine::runtime::COLLECTIVE_TIMEOUT, |pg| {
         run_rank(b, Arc::new(pg))
     });
     let mut line = None;

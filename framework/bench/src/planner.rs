@@ -7,7 +7,8 @@ use std::time::Instant;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::{
+use crate::stats::median;
+use trainrec_planner::{
     ComputeDevice, CostModel, PlanError, PlanInput, PlannerConfig, ProposerKind, TableSpec, Topology, explain, plan,
 };
 
@@ -72,12 +73,6 @@ pub fn load_tables(path: &std::path::Path) -> Result<Vec<TableSpec>, String> {
         .collect())
 }
 
-fn median(xs: &mut [f64]) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    let n = xs.len();
-    if n % 2 == 1 { xs[n / 2] } else { (xs[n / 2 - 1] + xs[n / 2]) / 2.0 }
-}
-
 /// Runs the benchmark; returns the JSON line.
 pub fn run(b: &PlanBench) -> Result<String, String> {
     let tables = load_tables(&b.tables_json)?;
@@ -132,7 +127,7 @@ pub fn run(b: &PlanBench) -> Result<String, String> {
             "refine": b.refine,
             "threads": rayon::current_num_threads(),
         },
-        "plan_wall": {"median_s": median(&mut times), "min_s": min, "max_s": max, "n": n},
+        "plan_wall": {"median_s": median(&times), "min_s": min, "max_s": max, "n": n},
         "num_proposals": p.num_proposals,
         "num_plans": p.num_plans,
         "max_rank_perf_estimate": p.max_rank_perf,

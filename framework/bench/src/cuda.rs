@@ -4,16 +4,16 @@
 
 use std::time::Instant;
 
+use crate::embedding::{EbcBench, collection, inputs, results};
 use serde_json::{Value, json};
-use trainrec_embedding::bench::{EbcBench, collection, inputs, results};
 
-use crate::{CudaEbc, CudaError};
+use trainrec_cuda::{CudaEbc, CudaError};
 
 /// Runs the benchmark on GPU `device`. A step is timed from the host's view: the batch's ids
 /// uploaded, the forward, the host's occurrence sort, the update, and a synchronize.
 pub fn run(a: &EbcBench, device: usize) -> Result<Value, CudaError> {
-    trainrec_embedding::bench::check(a)?;
-    crate::probe(device)?;
+    crate::embedding::check(a)?;
+    trainrec_cuda::probe(device)?;
     let (batches, uniq, grad) = inputs(a);
     let t0 = Instant::now();
     let mut gpu = CudaEbc::from_cpu(&collection(a)?, device)?;

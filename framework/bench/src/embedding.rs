@@ -13,7 +13,10 @@ use rayon::prelude::*;
 use serde_json::{Value, json};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig};
+use crate::stats::median;
+use trainrec_embedding::{
+    EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingError, PoolingMode, SparseOptimizerConfig,
+};
 
 /// How ids are drawn.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -309,7 +312,7 @@ fn time_quant(
     batches: &[KeyedJaggedTensor],
     ebc: &EmbeddingBagCollection,
 ) -> Result<Value, EmbeddingError> {
-    use crate::quant::{QuantPrecision, QuantizedEbc};
+    use trainrec_embedding::quant::{QuantPrecision, QuantizedEbc};
     let fp32_bytes = a.tables as f64 * a.rows as f64 * a.dim as f64 * 4.0;
     let mut out = serde_json::Map::new();
     for (name, precision) in [("int8", QuantPrecision::Int8), ("fp16", QuantPrecision::Fp16)] {
@@ -339,12 +342,6 @@ fn time_quant(
     Ok(Value::Object(out))
 }
 
-fn median(ts: &[f64]) -> f64 {
-    let mut v = ts.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
-}
-
 /// The managed-collision variant of the step (see [`EbcBench::mc_interval`]): each step copies
 /// the batch's raw ids, remaps them table by table (profiling, evicting every `interval`
 /// steps and re-initialising the rows that changed hands), then runs the same forward and
@@ -357,7 +354,7 @@ fn time_mc(
     ebc: &mut EmbeddingBagCollection,
     plain: &[f64],
 ) -> Result<Value, EmbeddingError> {
-    use crate::mc::{EvictionPolicy, ManagedCollision, McConfig};
+    use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig};
     let config = McConfig {
         rows: a.rows,
         zch_size: a.rows,

@@ -27,16 +27,17 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::embedding::cpu_snapshot;
 use serde_json::{Value, json};
 use tch::{Device, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema};
 use trainrec_embedding::EmbeddingBagCollection;
-use trainrec_embedding::bench::cpu_snapshot;
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{LoadOptions, LoadedRecipe};
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{Job, Registry};
+use crate::stats::median;
+use trainrec_engine::{Job, Registry};
 
 /// What a step does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,7 +145,7 @@ impl Default for DlrmBench {
     }
 }
 
-pub use crate::tensors::tune_allocator;
+pub use trainrec_engine::tensors::tune_allocator;
 
 fn list(v: &[usize]) -> String {
     v.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
@@ -299,12 +300,12 @@ struct Parts {
 impl Parts {
     fn build(loaded: &LoadedRecipe, features: &FeatureSchema, registry: &Registry) -> Result<Self, String> {
         let recipe = &loaded.recipe;
-        crate::configure_threads(recipe.run.threads);
+        trainrec_engine::configure_threads(recipe.run.threads);
         tch::manual_seed(recipe.run.seed as i64);
-        let ebc = crate::inputs::recipe_ebc(recipe).map_err(|e| e.to_string())?;
+        let ebc = trainrec_engine::inputs::recipe_ebc(recipe).map_err(|e| e.to_string())?;
         let vs = nn::VarStore::new(Device::Cpu);
-        let (sparse, sparse_dim_keys) = crate::inputs::sparse_outputs(recipe);
-        let num_tasks = crate::inputs::job_tasks(recipe, features).len();
+        let (sparse, sparse_dim_keys) = trainrec_engine::inputs::sparse_outputs(recipe);
+        let num_tasks = trainrec_engine::inputs::job_tasks(recipe, features).len();
         let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
         let kind = recipe.model.kind().unwrap_or_default();
         let factory = registry.model_for(kind).ok_or_else(|| format!("no model {kind}"))?;
@@ -325,7 +326,7 @@ impl Parts {
     }
 
     fn pooled_tensor(&self, batch: &Batch) -> Result<Tensor, String> {
-        crate::tensors::pooled_tensor(&self.ebc, &batch.sparse).map_err(|e| e.to_string())
+        trainrec_engine::tensors::pooled_tensor(&self.ebc, &batch.sparse).map_err(|e| e.to_string())
     }
 
     /// A copy of the engine's train step (`Job::train_step_with`) that adds each part's time
@@ -355,7 +356,7 @@ impl Parts {
         lap(5, t);
         let grad = sparse.grad();
         lap(6, t);
-        crate::tensors::with_f32_slice(&grad, |g| self.ebc.backward_and_update(&batch.sparse, g))
+        trainrec_engine::tensors::with_f32_slice(&grad, |g| self.ebc.backward_and_update(&batch.sparse, g))
             .map_err(|e| e.to_string())?;
         lap(7, t);
         let v = loss.double_value(&[]);
@@ -393,13 +394,6 @@ fn loadavg() -> Value {
         .ok()
         .map(|s| s.split_whitespace().take(3).filter_map(|x| x.parse::<f64>().ok()).collect::<Vec<_>>())
         .map_or(Value::Null, |v| json!(v))
-}
-
-pub(crate) fn median(ts: &[f64]) -> f64 {
-    let mut s = ts.to_vec();
-    s.sort_by(f64::total_cmp);
-    let n = s.len();
-    if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 }
 }
 
 fn summaries(ts: &[f64], batch: usize) -> (Value, Value, Value) {
@@ -519,7 +513,7 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
     }
     let malloc_tuned = b.malloc_tuning && tune_allocator();
     // Before anything starts rayon's global pool (recipe checks may), so it gets `threads`.
-    crate::configure_threads((b.threads > 0).then_some(b.threads));
+    trainrec_engine::configure_threads((b.threads > 0).then_some(b.threads));
     let load_start = loadavg();
     let c_start = cpu_snapshot();
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
@@ -528,8 +522,8 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
     let path = dir.0.join("recipe.toml");
     std::fs::write(&path, recipe_toml(b, &dir.0.join("run"))).map_err(|e| format!("{}: {e}", path.display()))?;
     let registry = Registry::builtin();
-    let (loaded, features) =
-        crate::load_and_check(&path, &LoadOptions::default(), &registry).map_err(|d| format!("bench recipe: {d}"))?;
+    let (loaded, features) = trainrec_engine::load_and_check(&path, &LoadOptions::default(), &registry)
+        .map_err(|d| format!("bench recipe: {d}"))?;
     tracing::info!("generating {} batches", b.num_batches);
     let batches = make_batches(b, &features)?;
     tracing::info!("building the job");
@@ -599,7 +593,7 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
     };
     let dense_params: i64 = {
         let vs = nn::VarStore::new(Device::Cpu);
-        let (sparse, sparse_dim_keys) = crate::inputs::sparse_outputs(&loaded.recipe);
+        let (sparse, sparse_dim_keys) = trainrec_engine::inputs::sparse_outputs(&loaded.recipe);
         let inputs = ModelInputs { num_dense: b.num_dense, sparse, sparse_dim_keys, num_tasks: 1 };
         if let Some(f) = registry.model_for("dlrm") {
             let _ = f.build(&vs.root(), &loaded.recipe.model.config(), &inputs);

@@ -2,7 +2,7 @@
 //! the same synthetic Criteo-like rows, with each requested worker count.
 //!
 //! [`bench_readers`] writes the rows to a fresh temporary directory as a Criteo TSV, converts it
-//! to TorchRec's binary layout ([`crate::criteo_binary::convert_tsv`]) and writes a Parquet file
+//! to TorchRec's binary layout ([`trainrec_data::criteo_binary::convert_tsv`]) and writes a Parquet file
 //! (Snappy, `row_group_rows` rows per group; label `INT32`, I1..I13 and C1..C26 optional
 //! `INT64`), reads each back through its sampler (one training pass, no eval hold-out; `csv`
 //! reads the TSV file, naming its columns with `columns`, categorical values hashed as string
@@ -14,18 +14,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ::parquet::basic::Compression;
-use ::parquet::data_type::{Int32Type, Int64Type};
-use ::parquet::file::properties::WriterProperties;
-use ::parquet::file::writer::SerializedFileWriter;
-use ::parquet::schema::parser::parse_message_type;
+use parquet::basic::Compression;
+use parquet::data_type::{Int32Type, Int64Type};
+use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::parser::parse_message_type;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::columns::LabelColumns;
-use crate::criteo::{NUM_DENSE, NUM_SPARSE};
-use crate::{
+use trainrec_data::LabelColumns;
+use trainrec_data::criteo::{NUM_DENSE, NUM_SPARSE};
+use trainrec_data::{
     BadRowPolicy, CriteoBinaryConfig, CriteoBinarySampler, CriteoTsvConfig, CriteoTsvSampler, CsvConfig, CsvSampler,
     DataError, ParquetConfig, ParquetSampler, Sampler, SamplerContext, Split,
 };
@@ -77,7 +77,7 @@ pub struct BenchReport {
     pub npy_bytes: u64,
     /// Size of the Parquet file.
     pub parquet_bytes: u64,
-    /// Seconds [`crate::criteo_binary::convert_tsv`] took (one worker).
+    /// Seconds [`trainrec_data::criteo_binary::convert_tsv`] took (one worker).
     pub convert_seconds: f64,
     /// One entry per reader and worker count.
     pub results: Vec<BenchResult>,
@@ -222,7 +222,7 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
     write_parquet(&pq, &rows, options.row_group_rows)?;
     drop(rows);
     let start = Instant::now();
-    let conv = crate::criteo_binary::convert_tsv(&tsv, &dir.0, "bench")?;
+    let conv = trainrec_data::criteo_binary::convert_tsv(&tsv, &dir.0, "bench")?;
     let convert_seconds = start.elapsed().as_secs_f64();
     let ctx = SamplerContext {
         feature_rows: (1..=NUM_SPARSE).map(|i| (format!("C{i}"), 1 << 20)).collect(),
@@ -257,7 +257,7 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             eval_fraction: Some(0.0),
             dense: (1..=NUM_DENSE).map(|i| format!("I{i}")).collect(),
             dense_default: 0.0,
-            dense_transform: crate::parquet::DenseTransform::Log1p,
+            dense_transform: trainrec_data::parquet::DenseTransform::Log1p,
             sparse: (1..=NUM_SPARSE).map(|i| (format!("C{i}"), format!("C{i}"))).collect(),
             label: LabelColumns::One("label".into()),
             group: None,
@@ -277,7 +277,7 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             columns: Some(names.collect()),
             dense: (1..=NUM_DENSE).map(|i| format!("I{i}")).collect(),
             dense_default: 0.0,
-            dense_transform: crate::parquet::DenseTransform::Log1p,
+            dense_transform: trainrec_data::parquet::DenseTransform::Log1p,
             sparse: (1..=NUM_SPARSE).map(|i| (format!("C{i}"), format!("C{i}"))).collect(),
             integer_ids: vec![],
             multi_value: Default::default(),

@@ -13,8 +13,9 @@ use trainrec_embedding::{EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig,
 use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{ShardedEbc, StepTimes, TableSharding};
+use crate::stats::median;
 use trainrec_comm::{DistError, ProcessGroup, ReduceOp, ThreadGroup};
+use trainrec_sharding::{ShardedEbc, StepTimes, TableSharding};
 
 /// The benchmark's shape.
 #[derive(Clone, Debug)]
@@ -60,11 +61,6 @@ impl Default for DistBench {
             dedup: false,
         }
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
 fn ms(x: f64) -> f64 {
@@ -142,7 +138,7 @@ pub fn run_rank(b: &DistBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<Strin
                 t.push(start.elapsed().as_secs_f64());
             }
         }
-        Ok(median(t))
+        Ok(median(&t))
     };
     // Every rank must send the same counts: the largest rank's bytes.
     let mut bytes = vec![last.input_bytes as f64, last.output_bytes as f64];
@@ -151,14 +147,14 @@ pub fn run_rank(b: &DistBench, pg: Arc<dyn ProcessGroup>) -> Result<Option<Strin
     let raw_output = raw(bytes[1] as usize)?;
 
     // The slowest rank's median of each phase.
-    let pick = |f: fn(&StepTimes) -> f64| median(steps.iter().map(|s| f(&s.0)).collect());
+    let pick = |f: fn(&StepTimes) -> f64| median(&steps.iter().map(|s| f(&s.0)).collect::<Vec<_>>());
     let mut v = vec![
         pick(|t| t.input_dist),
         pick(|t| t.lookup),
         pick(|t| t.output_dist),
         pick(|t| t.grad_dist),
         pick(|t| t.update),
-        median(steps.iter().map(|s| s.1).collect()),
+        median(&steps.iter().map(|s| s.1).collect::<Vec<_>>()),
         raw_input,
         raw_output,
         last.input_bytes as f64,

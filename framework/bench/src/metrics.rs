@@ -7,7 +7,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
-use crate::{AucMetric, Metric, MetricError, SumMetric, SumMetricKind};
+use trainrec_metrics::{AucMetric, Metric, MetricError, SumMetric, SumMetricKind};
 
 /// Parameters (the flags of `w4_metrics.py`).
 #[derive(Clone, Debug)]
