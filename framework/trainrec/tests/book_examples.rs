@@ -1,0 +1,49 @@
+//! The command output the book shows comes from today's binary: each example is run here and
+//! compared with its file under `book/src/examples/` (which the book `{{#include}}`s).
+//! `TRAINREC_BLESS=1` rewrites the files from the binary's output.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Runs `trainrec args` in `dir`; returns its exit code and stdout.
+fn trainrec(dir: &Path, args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+        .args(args)
+        .current_dir(dir)
+        .env("OMP_NUM_THREADS", "1")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("trainrec runs");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Compares `got` with the book's example file `name` (or writes it under `TRAINREC_BLESS=1`).
+fn check_example(name: &str, got: &str) {
+    let path = workspace().join("book/src/examples").join(name);
+    if std::env::var_os("TRAINREC_BLESS").is_some() {
+        std::fs::write(&path, got).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(
+        want == got,
+        "{} is stale: the binary now prints\n{got}\n(regenerate with TRAINREC_BLESS=1 cargo test -p trainrec --test book_examples)",
+        path.display()
+    );
+}
+
+#[test]
+fn the_planner_chapter_shows_what_trainrec_plan_prints() {
+    let dir = std::env::temp_dir().join(format!("trainrec-book-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let recipe = workspace().join("recipes/planner/criteo_8gpu.toml");
+    let (code, stdout) = trainrec(&dir, &["plan", recipe.to_str().unwrap(), "--out", "plan.json"]);
+    assert_eq!(code, 0, "{stdout}");
+    assert!(dir.join("plan.json").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+    check_example("plan_criteo_8gpu.txt", &stdout);
+}
