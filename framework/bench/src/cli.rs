@@ -460,54 +460,51 @@ impl EbcArgs {
     }
 }
 
-/// Prints a benchmark's JSON line, or its error (exit 2: bad flags or inputs).
 /// `bench dist` on threads, or as this process's rank under `mpirun` (rank 0 prints).
 fn bench_dist(b: &crate::sharding::DistBench, world: usize) -> ExitCode {
     // As `trainrec run` does: the step's large buffers reuse mapped pages.
     trainrec_engine::tensors::tune_allocator();
-    if trainrec_engine::launch::mpirun_world_size().is_some() {
-        #[cfg(feature = "mpi")]
-        {
-            let run = || -> Result<Option<String>, trainrec_comm::DistError> {
-                let pg = trainrec_comm::MpiGroup::init(std::time::Duration::from_secs(300))?;
-                crate::sharding::run_rank(b, std::sync::Arc::new(pg))
-            };
-            return match run() {
-                Ok(Some(line)) => print_bench(Ok::<_, String>(line)),
-                Ok(None) => ExitCode::SUCCESS,
-                Err(e) => print_bench(Err::<String, _>(e)),
-            };
-        }
-        #[cfg(not(feature = "mpi"))]
-        return print_bench(Err::<String, _>(
-            "started by mpirun, but this trainrec binary has no MPI support: build it with --features mpi",
-        ));
-    }
-    print_bench(crate::sharding::run_threads(b, world))
+    on_ranks(b, world, crate::sharding::run_rank, crate::sharding::run_threads)
 }
 
 /// `bench pipeline` on threads, or as this process's rank under `mpirun` (rank 0 prints).
 fn bench_pipeline(b: &crate::pipeline::PipelineBench, world: usize) -> ExitCode {
-    if trainrec_engine::launch::mpirun_world_size().is_some() {
-        #[cfg(feature = "mpi")]
-        {
-            let run = || -> Result<Option<String>, String> {
-                let pg =
-                    trainrec_comm::MpiGroup::init(std::time::Duration::from_secs(300)).map_err(|e| e.to_string())?;
-                crate::pipeline::run_rank(b, std::sync::Arc::new(pg))
-            };
-            return match run() {
-                Ok(Some(line)) => print_bench(Ok::<_, String>(line)),
-                Ok(None) => ExitCode::SUCCESS,
-                Err(e) => print_bench(Err::<String, _>(e)),
-            };
-        }
-        #[cfg(not(feature = "mpi"))]
-        return print_bench(Err::<String, _>(
-            "started by mpirun, but this trainrec binary has no MPI support: build it with --features mpi",
-        ));
+    on_ranks(b, world, crate::pipeline::run_rank, crate::pipeline::run_threads)
+}
+
+/// One rank's part of a benchmark across ranks: the JSON line on rank 0, nothing elsewhere.
+type RankRun<B, E> = fn(&B, std::sync::Arc<dyn trainrec_comm::ProcessGroup>) -> Result<Option<String>, E>;
+
+/// A benchmark across ranks: as this process's rank under `mpirun` (`rank`, rank 0 prints),
+/// else on `world` thread ranks (`threads`).
+fn on_ranks<B, E: std::fmt::Display>(
+    b: &B,
+    world: usize,
+    rank: RankRun<B, E>,
+    threads: fn(&B, usize) -> Result<String, E>,
+) -> ExitCode {
+    if trainrec_engine::launch::mpirun_world_size().is_none() {
+        return print_bench(threads(b, world));
     }
-    print_bench(crate::pipeline::run_threads(b, world))
+    #[cfg(feature = "mpi")]
+    {
+        let pg = match trainrec_comm::MpiGroup::init(std::time::Duration::from_secs(300)) {
+            Ok(pg) => pg,
+            Err(e) => return print_bench(Err::<String, _>(e)),
+        };
+        match rank(b, std::sync::Arc::new(pg)) {
+            Ok(Some(line)) => print_bench(Ok::<_, String>(line)),
+            Ok(None) => ExitCode::SUCCESS,
+            Err(e) => print_bench(Err::<String, _>(e)),
+        }
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = rank;
+        print_bench(Err::<String, _>(
+            "started by mpirun, but this trainrec binary has no MPI support: build it with --features mpi",
+        ))
+    }
 }
 
 /// `trainrec device-check`: the kernels against the CPU engine on GPU `device`, then W1 there.
@@ -554,6 +551,7 @@ fn device_check(device: usize, steps: usize) -> Result<serde_json::Value, trainr
     Ok(serde_json::json!({"device_check": check, "w1": w1}))
 }
 
+/// Prints a benchmark's JSON line, or its error (exit 2: bad flags or inputs).
 fn print_bench<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>) -> ExitCode {
     match result {
         Ok(line) => {
