@@ -82,6 +82,8 @@ pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> 
             ComputeKernel::KeyValue => trainrec_embedding::CacheBacking::KeyValue,
             _ => continue,
         };
+        // The plan records the load factor used; a pinned `plan.json` written before it did
+        // has none and gets the same default the planner applies.
         let load_factor = tp.cache_load_factor.unwrap_or(trainrec_planner::defaults::UVM_CACHING_RATIO);
         let slots = ((load_factor * c.rows as f64).ceil() as u64).clamp(1, c.rows);
         let policy = match t.constraints.cache.as_ref().and_then(|k| k.algorithm) {

@@ -4,6 +4,7 @@ use rayon::prelude::*;
 
 use crate::PlanError;
 use crate::estimate::{Estimator, TableInputs, shard_layout};
+use crate::types::defaults::UVM_CACHING_RATIO;
 use crate::types::{ComputeDevice, ComputeKernel, CostModel, ShardingOption, ShardingType, TableSpec, Topology};
 
 /// Sharding types the engines support on a device, in enumeration order.
@@ -108,6 +109,8 @@ pub(crate) fn table_options(
     }
     let estimator = Estimator { topo, cost_model };
     let inputs = TableInputs::of(table, batch_size, cost_model);
+    // The one place a cached kernel's load factor default is applied: options, the plan and
+    // `plan.json` carry the value used.
     let clf = c.cache.as_ref().and_then(|c| c.load_factor);
     let mut out = Vec::new();
     let mut tried_kernels = Vec::new();
@@ -130,12 +133,13 @@ pub(crate) fn table_options(
         tried_kernels.extend(supported_kernels(st, device));
         let layout = shard_layout(table, st, topo);
         for kernel in kernels {
+            let clf = kernel.is_cached().then(|| clf.unwrap_or(UVM_CACHING_RATIO));
             if let Some(shards) = estimator.shards(table, &inputs, st, kernel, clf, &layout) {
                 out.push(ShardingOption {
                     table: index,
                     sharding_type: st,
                     compute_kernel: kernel,
-                    cache_load_factor: if kernel.is_cached() { clf } else { None },
+                    cache_load_factor: clf,
                     shards,
                 });
             }

@@ -168,7 +168,7 @@ impl Estimator<'_> {
         let hbm = bytes_per_ms(t.hbm_mem_bw);
         let ddr = bytes_per_ms(t.ddr_mem_bw);
         let h2d = bytes_per_ms(t.hbm_to_ddr_mem_bw);
-        let ratio = clf.unwrap_or(UVM_CACHING_RATIO);
+        let ratio = cache_ratio(clf);
         match (t.compute_device, kernel) {
             (ComputeDevice::Cpu, ComputeKernel::Dense) => Some(0.5 * ddr),
             (ComputeDevice::Cpu, ComputeKernel::Fused) => Some(ddr),
@@ -327,7 +327,7 @@ impl Estimator<'_> {
         if self.cost_model == CostModel::Torchrec || !(kernel == ComputeKernel::FusedUvmCaching || cpu_store) {
             return 0.0;
         }
-        let miss = 1.0 - clf.unwrap_or(UVM_CACHING_RATIO);
+        let miss = 1.0 - cache_ratio(clf);
         let ids = (c.world * c.batch_inputs).ceil() / divisor;
         ids * miss * dim * c.table_dtype / bytes_per_ms(self.topo.hbm_to_ddr_mem_bw)
     }
@@ -377,7 +377,7 @@ impl Estimator<'_> {
             || t.compute_device == ComputeDevice::Cpu;
         let (mut hbm_total, ddr_total) = if on_ddr { (0, bytes) } else { (bytes, 0) };
         let cached = kernel.is_cached();
-        let ratio = clf.unwrap_or(UVM_CACHING_RATIO);
+        let ratio = cache_ratio(clf);
         if cached {
             hbm_total = (ddr_total as f64 * ratio).round_ties_even() as u64;
         }
@@ -423,4 +423,11 @@ impl Estimator<'_> {
 /// FBGEMM kernel block under-use penalty of narrow shards.
 fn block_penalty(dim: u64) -> f64 {
     if dim < FULL_BLOCK_EMB_DIM { if dim >= 64 { HALF_BLOCK_PENALTY } else { QUARTER_BLOCK_PENALTY } } else { 1.0 }
+}
+
+/// The share of a table's rows its cache holds. Enumeration resolves every cached option's
+/// load factor (the default included), so `None` only comes with kernels without a cache,
+/// where nothing reads the ratio: all rows count as resident.
+pub(crate) fn cache_ratio(clf: Option<f64>) -> f64 {
+    clf.unwrap_or(1.0)
 }

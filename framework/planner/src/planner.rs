@@ -503,7 +503,7 @@ impl Search<'_> {
                 a,
                 b,
                 if fused_ok { hbm_at(ComputeKernel::Fused, None) } else { f64::INFINITY },
-                o.cache_load_factor.unwrap_or(UVM_CACHING_RATIO),
+                crate::estimate::cache_ratio(o.cache_load_factor),
                 inputs.batch_inputs(),
             ));
         }

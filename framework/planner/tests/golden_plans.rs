@@ -141,3 +141,21 @@ fn key_value_tables_on_cpu_keep_their_cache_in_ddr_and_their_rows_on_disk() {
     let err = plan(&PlanInput { tables: t, topology, config: Default::default() }).unwrap_err().to_string();
     assert!(err.contains("compute_kernels") && err.contains("key_value"), "{err}");
 }
+
+/// A cached table without `cache.load_factor` gets the default once, in enumeration, and the
+/// plan (so `plan.json`) records the value used.
+#[test]
+fn the_plan_records_the_default_load_factor_it_used() {
+    let mut t = tables(3);
+    for s in &mut t {
+        s.constraints.compute_kernels = Some(vec![ComputeKernel::FusedUvmCaching]);
+    }
+    let input = PlanInput { tables: t, topology: Topology::new(2, ComputeDevice::Cpu), config: Default::default() };
+    let p = plan(&input).unwrap_or_else(|e| panic!("{e}"));
+    for tp in &p.tables {
+        assert_eq!(tp.compute_kernel, ComputeKernel::FusedUvmCaching);
+        assert_eq!(tp.cache_load_factor, Some(defaults::UVM_CACHING_RATIO), "table {}", tp.name);
+    }
+    let json = serde_json::to_value(&p).unwrap();
+    assert_eq!(json["tables"][0]["cache_load_factor"], serde_json::json!(defaults::UVM_CACHING_RATIO), "{json}");
+}
