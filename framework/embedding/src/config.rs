@@ -352,8 +352,10 @@ impl StatePart {
     }
 }
 
-/// Which unpinned resident row a full cache evicts.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which unpinned resident row a full cache evicts (a table's
+/// `constraints.cache.algorithm`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
 pub enum CachePolicy {
     /// The row whose last use is oldest.
     #[default]

@@ -72,7 +72,7 @@ pub fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_em
 /// table in a file under `embedding.offload_dir`; one planned `key_value` keeps the same cache
 /// in front of a key-value store there of the rows written so far.
 pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> Vec<EmbeddingBagConfig> {
-    use trainrec_planner::{CacheAlgorithm, ComputeKernel};
+    use trainrec_planner::ComputeKernel;
     let dir = recipe.embedding.offload_dir.clone().unwrap_or_else(|| recipe.output_dir().join("offload"));
     let mut tables = recipe_tables(recipe);
     for (c, t) in tables.iter_mut().zip(&recipe.tables) {
@@ -86,10 +86,7 @@ pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> 
         // has none and gets the same default the planner applies.
         let load_factor = tp.cache_load_factor.unwrap_or(trainrec_planner::defaults::UVM_CACHING_RATIO);
         let slots = ((load_factor * c.rows as f64).ceil() as u64).clamp(1, c.rows);
-        let policy = match t.constraints.cache.as_ref().and_then(|k| k.algorithm) {
-            Some(CacheAlgorithm::Lfu) => trainrec_embedding::CachePolicy::Lfu,
-            _ => trainrec_embedding::CachePolicy::Lru,
-        };
+        let policy = t.constraints.cache.as_ref().and_then(|k| k.algorithm).unwrap_or_default();
         tracing::info!(table = %c.name, slots, rows = c.rows, ?policy, ?backing, dir = %dir.display(), "cached table");
         c.cache = Some(trainrec_embedding::CacheConfig { slots, policy, backing, dir: dir.clone() });
     }

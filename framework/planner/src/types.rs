@@ -1,6 +1,7 @@
 //! The planner's vocabulary: sharding types, compute kernels, topology, tables, constraints.
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use trainrec_embedding::CachePolicy;
 use trainrec_embedding::WeightPrecision;
 
 /// How one table is split over the ranks (TorchRec's `ShardingType`).
@@ -162,17 +163,6 @@ pub enum CostModel {
     Torchrec,
 }
 
-/// Cache eviction policy of a cached table.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum CacheAlgorithm {
-    /// Least recently used.
-    #[default]
-    Lru,
-    /// Least frequently used.
-    Lfu,
-}
-
 /// Dtype of a table's pooled output (TorchRec's `output_dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -205,7 +195,7 @@ pub struct CacheParams {
     pub load_factor: Option<f64>,
     /// Eviction policy.
     #[serde(default)]
-    pub algorithm: Option<CacheAlgorithm>,
+    pub algorithm: Option<CachePolicy>,
     /// Device memory set aside for the cache, in MiB (FBGEMM's `cache_reserved_memory`).
     #[serde(default)]
     pub reserved_memory_mib: Option<f64>,
