@@ -4,7 +4,8 @@
 //!   through `crate::`, `super::` or child-module paths (or names a `use` brought in, followed
 //!   through re-exports) must form a graph without cycles, so each crate reads bottom-up. The
 //!   crate root's `pub use` lines are its public face, not a use; `#[cfg(test)]` modules are
-//!   not part of the build and are left out;
+//!   not part of the build and are left out; intra-doc links count like any other path (a
+//!   reader follows them);
 //! - no source file over [`MAX_CODE_LINES`] lines of non-test code (inline `#[cfg(test)]`
 //!   modules aside).
 //!
@@ -339,6 +340,28 @@ impl<'ast> Visit<'ast> for Refs<'_> {
         syn::visit::visit_path(self, p);
     }
 
+    /// Intra-doc links (`` [`crate::a::B`] ``) name what they link to.
+    fn visit_attribute(&mut self, a: &'ast syn::Attribute) {
+        if let syn::Meta::NameValue(nv) = &a.meta
+            && nv.path.is_ident("doc")
+            && let syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Str(doc), .. }) = &nv.value
+        {
+            let doc = doc.value();
+            for link in doc.split("[`").skip(1) {
+                let Some(end) = link.find('`') else { continue };
+                let path = link[..end].trim_end_matches("()").trim_end_matches('!');
+                let segs: Vec<String> = path.split("::").map(str::to_owned).collect();
+                if segs.len() > 1
+                    && matches!(segs[0].as_str(), "crate" | "super" | "self")
+                    && segs.iter().all(|s| !s.is_empty() && s.chars().all(|c| c.is_alphanumeric() || c == '_'))
+                {
+                    self.resolve(&segs);
+                }
+            }
+        }
+        syn::visit::visit_attribute(self, a);
+    }
+
     fn visit_macro(&mut self, m: &'ast syn::Macro) {
         self.tokens(m.tokens.clone());
         syn::visit::visit_macro(self, m);
@@ -495,8 +518,8 @@ fn no_source_file_over_the_line_limit() {
     assert!(over.is_empty(), "files over {MAX_CODE_LINES} lines of non-test code:\n  {}", over.join("\n  "));
 }
 
-/// The checker itself, on a made-up crate: a circle through a re-export, through `super::`
-/// and through a macro's tokens is found; the same files without the back edges (or with it
+/// The checker itself, on a made-up crate: a circle through a re-export, through `super::`,
+/// through a macro's tokens and through an intra-doc link is found; the same files without the back edges (or with it
 /// only in a test module) have none.
 #[test]
 fn the_circle_check_finds_circles_through_re_exports_super_and_macros() {
@@ -526,6 +549,9 @@ fn the_circle_check_finds_circles_through_re_exports_super_and_macros() {
     let b = ("src/b.rs", "pub struct B;\nmod inner { pub fn f() { let _ = super::super::a::A; } }\n");
     assert_eq!(found(&[lib, a, b, c]).len(), 1);
     let b = ("src/b.rs", "pub struct B;\npub fn f() { println!(\"{}\", std::mem::size_of::<crate::a::A>()); }\n");
+    assert_eq!(found(&[lib, a, b, c]).len(), 1);
+    // Through an intra-doc link.
+    let b = ("src/b.rs", "/// Made into a [`crate::a::A`].\npub struct B;\n");
     assert_eq!(found(&[lib, a, b, c]).len(), 1);
     // No back edge; a back edge in a test module only; a `pub(crate)` visibility.
     let b = ("src/b.rs", "pub struct B;\npub(crate) fn g() { crate::c::f() }\n");

@@ -1,4 +1,4 @@
-//! Where a [`crate::CudaEbc`]'s buffers live and its kernels run: a GPU through cudarc, or
+//! Where a `CudaEbc`'s buffers live and its kernels run: a GPU through cudarc, or
 //! (feature `emulator`, for tests) host memory with the kernels compiled as host C++
 //! (`trainrec-cuda-emu`), so everything above this module runs the same code either way.
 

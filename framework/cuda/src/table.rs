@@ -1,4 +1,4 @@
-//! One table of a [`crate::CudaEbc`] on its device: its weights (in GPU memory, or behind a
+//! One table of a `CudaEbc` on its device: its weights (in GPU memory, or behind a
 //! cache of slots there in front of host memory) and the cache's slot store.
 
 use crate::CudaError;

@@ -653,7 +653,7 @@ fn init_params(seed: u64, t: usize, rows: u64) -> (f32, u64) {
     ((1.0 / rows as f64).sqrt() as f32, seed ^ 0xE3B0_C442_98FC_1C14u64.wrapping_mul(t as u64 + 1))
 }
 
-/// The initial fp32 weights that [`crate::EmbeddingBagCollection::new`] (and the sequence
+/// The initial fp32 weights that `EmbeddingBagCollection::new` (and the sequence
 /// collection) give the cells `rows x cols` of table number `table` (its position in the
 /// collection's table list), a `table_rows x dim` table, for `seed`: row-major
 /// `[rows, cols]`. A shard of the table computes its block alone, so a table sharded any way

@@ -283,7 +283,7 @@ pub struct EmbeddingBagConfig {
     pub rows: u64,
     /// Embedding dimension (any value >= 1).
     pub dim: usize,
-    /// Pooling of each bag (ignored by the sequence [`crate::EmbeddingCollection`]).
+    /// Pooling of each bag (ignored by the sequence `EmbeddingCollection`).
     pub pooling: PoolingMode,
     /// Output feature names; `x@table` reads input feature `x`.
     pub features: Vec<String>,

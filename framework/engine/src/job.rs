@@ -60,7 +60,7 @@ pub struct Job {
 impl Job {
     /// Builds every part of a one-rank job. The recipe must have passed
     /// [`crate::check_loaded`]; a recipe with `topology.world_size > 1` is built per rank by
-    /// [`Job::build_rank`] (or trained by [`crate::launch::run_threads`]).
+    /// [`Job::build_rank`] (or trained by the launcher, one rank per thread).
     pub fn build(loaded: &LoadedRecipe, features: &FeatureSchema, registry: &Registry) -> Result<Self, EngineError> {
         Self::build_rank(loaded, features, registry, None)
     }

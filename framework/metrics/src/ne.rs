@@ -4,23 +4,6 @@ use crate::kernels::NE_ETA;
 use crate::state::{of_kind, with_kind};
 use crate::{Metric, MetricError, MetricState, validate_batch};
 
-/// One sample's weighted cross entropy in bits, `-w y log2(q) - w (1 - y) log2(1 - q)` with
-/// `q` the prediction clamped to `[eta, 1 - eta]`. A hard label zeroes one term, whose
-/// logarithm is then skipped (same value, half the work).
-///
-/// The scalar reference of the vectorised [`crate::kernels`] loop, which tests check it against.
-#[cfg(test)]
-pub(crate) fn cross_entropy(p: f64, y: f64, w: f64) -> f64 {
-    let q = p.clamp(NE_ETA, 1.0 - NE_ETA);
-    if y == 1.0 {
-        -w * q.log2()
-    } else if y == 0.0 {
-        -w * (1.0 - q).log2()
-    } else {
-        -w * y * q.log2() - w * (1.0 - y) * (1.0 - q).log2()
-    }
-}
-
 /// NE from the four sums (cross entropy, weight, positive and negative weight).
 pub(crate) fn ne_from_sums(ce: f64, weighted: f64, pos: f64, neg: f64) -> f64 {
     let mean_label = (pos / weighted.max(NE_ETA)).clamp(NE_ETA, 1.0 - NE_ETA);

@@ -8,7 +8,7 @@ use crate::MetricError;
 const MAX_EXACT_COUNT: f64 = 9_007_199_254_740_992.0;
 
 /// The accumulated state of one metric, as named arrays of `f64`: what a checkpoint holds to
-/// resume the metric exactly ([`crate::Metric::state`], [`crate::Metric::load_state`]).
+/// resume the metric exactly (`Metric::state`, `Metric::load_state`).
 ///
 /// Everything a metric keeps fits an `f64` without loss: its `f64` sums as they are, `f32`
 /// samples (predictions, labels, weights) widened, and counters below 2^53 as integers. A

@@ -140,7 +140,7 @@ pub struct Diagnostic {
 }
 
 impl Diagnostic {
-    /// A diagnostic whose origin is filled in later by [`crate::LoadedRecipe::locate`].
+    /// A diagnostic whose origin is filled in later by `LoadedRecipe::locate`.
     pub fn new(key: KeyPath, message: impl Into<String>) -> Self {
         Self { key, message: message.into(), help: None, origin: Origin::Unknown }
     }

@@ -1,9 +1,9 @@
 //! The engine that computes one rank's shards: [`ShardEngine`].
 //!
-//! A [`crate::ShardedEbc`] does the sharding (input dist, output dist, the collectives) and
+//! A `ShardedEbc` does the sharding (input dist, output dist, the collectives) and
 //! hands each rank's lookups and fused updates to a [`ShardEngine`] holding that rank's shards,
 //! with host buffers in and out. The CPU collection ([`EmbeddingBagCollection`]) is the one
-//! every sharded collection starts with; [`crate::ShardedEbc::move_shards`] moves them into
+//! every sharded collection starts with; `ShardedEbc::move_shards` moves them into
 //! another engine built from it (trainrec's CUDA collection, `trainrec_cuda::CudaEbc`), so the
 //! same sharding code serves every device.
 
