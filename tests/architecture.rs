@@ -25,25 +25,14 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-/// Every crate root (`src/lib.rs`, `src/main.rs`, `src/bin/*.rs`) in the workspace's own code.
+/// Every crate root (`src/lib.rs`, `src/main.rs`, `src/bin/*.rs`) of the workspace's members
+/// (the `members` list of the root `Cargo.toml`).
 fn crate_roots() -> Vec<PathBuf> {
     let root = root();
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let members = manifest.split("members = [").nth(1).and_then(|m| m.split(']').next()).expect("workspace members");
     let mut out = Vec::new();
-    let mut dirs = Vec::new();
-    for top in ["framework", "plugins", "examples", "bench"] {
-        let Ok(rd) = std::fs::read_dir(root.join(top)) else { continue };
-        for e in rd.flatten() {
-            dirs.push(e.path());
-            // Nested crates (framework/cuda/emu).
-            if let Ok(inner) = std::fs::read_dir(e.path()) {
-                dirs.extend(inner.flatten().map(|e| e.path()).filter(|p| p.join("Cargo.toml").exists()));
-            }
-        }
-    }
-    if root.join("bench/Cargo.toml").exists() {
-        dirs.push(root.join("bench"));
-    }
-    for d in dirs {
+    for d in members.split(',').map(|m| m.trim().trim_matches('"')).filter(|m| !m.is_empty()).map(|m| root.join(m)) {
         for f in ["src/lib.rs", "src/main.rs"] {
             if d.join(f).exists() {
                 out.push(d.join(f));
@@ -54,7 +43,6 @@ fn crate_roots() -> Vec<PathBuf> {
         }
     }
     out.sort();
-    out.dedup();
     out
 }
 
