@@ -1,6 +1,6 @@
 //! `trainrec bench ebc --device cuda`: the W1 step (pooled forward + fused backward/update)
 //! with the tables in GPU memory, the workload and JSON of the CPU benchmark
-//! ([`trainrec_embedding::bench`]).
+//! ([`crate::embedding`]).
 
 use std::time::Instant;
 

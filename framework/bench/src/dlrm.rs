@@ -4,7 +4,7 @@
 //! The job is built the way `trainrec run` builds one: a recipe (written to a temporary
 //! file) with one `rows x dim` table per sparse feature, row-wise Adagrad fused into the
 //! embedding backward, dense Adagrad and `kind = "dlrm"`, loaded and checked by
-//! [`crate::load_and_check`] and built by [`Job::build`]. `num_batches` batches shaped like
+//! [`trainrec_engine::load_and_check`] and built by [`trainrec_engine::Job::build`]. `num_batches` batches shaped like
 //! TorchRec's `RandomRecDataset` (uniform ids, exactly `ids_per_feature` per bag, dense
 //! features uniform in `[0, 1)`, 0/1 labels) are generated before timing and cycled.
 //!

@@ -62,7 +62,7 @@ pub struct EbcBench {
     /// against the plain step of the same run.
     pub mc_interval: Option<u64>,
     /// Also time the forward pass over the tables quantized to int8 row-wise and to fp16
-    /// ([`crate::quant::QuantizedEbc`]) on the forward-only batches, against the fp32 forward.
+    /// ([`trainrec_embedding::quant::QuantizedEbc`]) on the forward-only batches, against the fp32 forward.
     pub quant: bool,
 }
 

@@ -31,7 +31,7 @@ pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
 
 /// The job's tasks: (name, index of its label column in the sampler's labels). Without
 /// `[[tasks]]`, one task per label column. A task whose column is unknown is left out (and
-/// reported by [`check_loaded`]).
+/// reported by `check_loaded`).
 pub fn job_tasks(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Vec<(String, usize)> {
     if recipe.tasks.is_empty() {
         return features.labels.iter().enumerate().map(|(i, l)| (l.clone(), i)).collect();
@@ -60,7 +60,7 @@ pub(crate) struct BatchLayout {
 }
 
 /// The recipe's embedding tables as one collection with their fused optimizers and bounds
-/// check (shared by [`Job::build`] and the W2 benchmark).
+/// check (shared by `Job::build` and the DLRM benchmark).
 pub fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_embedding::EmbeddingError> {
     let mut ebc = EmbeddingBagCollection::new(recipe_tables(recipe), recipe.optimizer.sparse.clone(), recipe.run.seed)?;
     ebc.set_bounds_check(recipe.embedding.bounds_check);

@@ -142,12 +142,12 @@ impl Pipeline {
         sparse.discard_prefetched();
     }
 
-    /// [`Job::train_step`]; with `want_predictions`, also the batch's predicted probabilities
+    /// One training step (`Job::train_step`); with `want_predictions`, also the batch's predicted probabilities
     /// `[batch, tasks]` row-major (before this step's update); and the examples of the step's
     /// global batch (every rank's).
     ///
     /// `ahead`, the next batch, is staged on a second thread while this batch's dense forward
-    /// and backward run (see [`Job::train_step_ahead`]); that thread is the only one to run
+    /// and backward run (see `Job::train_step_ahead`); that thread is the only one to run
     /// collectives meanwhile (the dense gradients' all-reduce waits for it), so every backend
     /// sees one collective at a time. The staged batch waits in the pipeline for the next step.
     pub fn step(

@@ -92,7 +92,7 @@ pub enum MetricError {
         message: String,
     },
     /// The metric cannot save or restore its accumulated state (a plugin metric that does not
-    /// implement [`Metric::state`] and [`Metric::load_state`]).
+    /// implement `Metric::state` and `Metric::load_state`).
     #[error(
         "metric {metric:?} cannot save or restore its state (it does not implement Metric::state and \
          Metric::load_state), so a checkpoint cannot resume it exactly"
