@@ -326,7 +326,12 @@ impl Parts {
     }
 
     fn pooled_tensor(&self, batch: &Batch) -> Result<Tensor, String> {
-        trainrec_engine::tensors::pooled_tensor(&self.ebc, &batch.sparse).map_err(|e| e.to_string())
+        trainrec_engine::tensors::pooled_tensor(
+            &self.ebc,
+            &batch.sparse,
+            &mut trainrec_embedding::BatchContext::default(),
+        )
+        .map_err(|e| e.to_string())
     }
 
     /// A copy of the engine's train step (`Job::train_step_with`) that adds each part's time

@@ -18,9 +18,9 @@ mod backend;
 pub mod check;
 mod copy;
 mod device;
+mod engine;
 pub mod host;
 mod nvrtc;
-mod shard;
 mod table;
 
 pub use copy::{CopyStream, Staged};

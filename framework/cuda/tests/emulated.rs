@@ -1,7 +1,7 @@
 //! The CUDA kernels and `CudaEbc` itself (uploads, launches, occurrence lists, step counts,
 //! table I/O) on the emulator backend, where the kernels run compiled as host C++: the device
 //! check's cases, checkpoints' table round trip, sequence lookups and bounds errors, cached
-//! tables, against the CPU collection. Needs feature `emulator`, which
+//! tables, and the engine conformance kit, against the CPU collection. Needs feature `emulator`, which
 //! `cargo test --workspace` turns on through the engine's tests.
 #![cfg(feature = "emulator")]
 
@@ -18,6 +18,19 @@ fn the_device_checks_cases_are_bit_identical_on_the_emulator() {
         r["cases"].as_array().unwrap().iter().filter(|c| c["bit_identical"] != true).collect();
     assert!(differing.is_empty(), "cases that differ from the CPU engine: {differing:#?}");
     assert_eq!(r["bit_identical"], 24);
+}
+
+/// The engine conformance kit: the CUDA collection as an engine (its stage, device and host
+/// buffers, checkpoint blocks, resets) trains bit for bit like the CPU collection.
+#[test]
+fn the_cuda_engine_passes_the_engine_conformance_kit() {
+    use trainrec_embedding::{EmbeddingEngine, conformance};
+    for case in conformance::cases() {
+        let mut make = |cpu: &trainrec_embedding::EmbeddingBagCollection| {
+            CudaEbc::emulated(cpu).map(|g| Box::new(g) as Box<dyn EmbeddingEngine>).map_err(|e| e.to_string())
+        };
+        conformance::check_engine(&case, &mut make, 0.0).unwrap_or_else(|e| panic!("{e}"));
+    }
 }
 
 #[test]
@@ -315,7 +328,7 @@ fn reset_rows_give_the_cpu_collections_values_in_memory_and_in_the_cache() {
 fn sharded_cases_on_the_emulator(world: usize, weighted: bool) -> usize {
     use std::sync::Arc;
     use trainrec_comm::{ProcessGroup, ThreadGroup};
-    use trainrec_sharding::{ShardEngine, conformance};
+    use trainrec_sharding::conformance;
     let cases: Vec<conformance::Case> = conformance::cases(&conformance::standard_sizes(world, 0), weighted)
         .into_iter()
         .filter(|c| !c.sequence)
@@ -325,7 +338,7 @@ fn sharded_cases_on_the_emulator(world: usize, weighted: bool) -> usize {
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
         let mut make = |cpu: &trainrec_embedding::EmbeddingBagCollection| {
             CudaEbc::emulated(cpu)
-                .map(|g| Box::new(g) as Box<dyn ShardEngine>)
+                .map(|g| Box::new(g) as Box<dyn trainrec_embedding::TableEngine>)
                 .map_err(|e| trainrec_comm::DistError::Module(e.to_string()))
         };
         for case in &cases {

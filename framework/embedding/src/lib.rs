@@ -12,8 +12,10 @@ mod backing;
 mod cache;
 mod collection;
 mod config;
+pub mod conformance;
 mod ebc;
 mod ec;
+pub mod engine;
 pub mod mc;
 mod optim;
 mod position;
@@ -33,6 +35,10 @@ pub use config::{
 pub use config::{CacheBacking, CacheConfig, CachePolicy};
 pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};
+pub use engine::{
+    BatchContext, DeviceSlice, EmbeddingEngine, EmbeddingLookup, LocalShard, Memory, Pooled, PooledGrad, StepTimes,
+    TableEngine,
+};
 pub use optim::{OptimizerKind, StepConstants};
 pub use position::PositionWeightedModule;
 pub use precision::{Weight, rounding_key};
@@ -91,4 +97,42 @@ pub enum EmbeddingError {
     /// A cache's slot storage failed (a GPU's memory copies).
     #[error("embedding storage: {0}")]
     Storage(String),
+    /// The batch's sparse features cannot be laid out (e.g. a variable-batch KJT whose
+    /// inverse indices do not fit).
+    #[error("{0}")]
+    Input(#[from] trainrec_sparse::SparseError),
+    /// The engine's backend failed (a collective of a sharded collection, a GPU): its error,
+    /// as that backend's crate reports it.
+    #[error("{0}")]
+    Backend(BackendError),
+}
+
+/// An engine backend's own error ([`EmbeddingError::Backend`]), kept whole so that callers can
+/// tell its kind (e.g. a peer rank that left) by downcasting.
+#[derive(Clone, Debug)]
+pub struct BackendError(pub std::sync::Arc<dyn std::error::Error + Send + Sync>);
+
+impl BackendError {
+    /// Wraps a backend's error.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(e))
+    }
+
+    /// The backend's error, when it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref()
+    }
+}
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Backends' errors compare by message (their types need not be comparable).
+impl PartialEq for BackendError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_string() == other.0.to_string()
+    }
 }

@@ -160,6 +160,11 @@ impl QuantizedEbc {
         }
     }
 
+    /// Output keys in order (the collection's it was quantized from).
+    pub fn output_keys(&self) -> Vec<String> {
+        self.keys.clone()
+    }
+
     /// Output floats per example.
     pub fn width(&self) -> usize {
         self.width

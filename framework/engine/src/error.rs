@@ -13,7 +13,7 @@ pub enum EngineError {
     Data(#[from] trainrec_data::DataError),
     /// The embedding collection rejected its input.
     #[error("embedding: {0}")]
-    Embedding(#[from] trainrec_embedding::EmbeddingError),
+    Embedding(trainrec_embedding::EmbeddingError),
     /// The dense model could not be built.
     #[error("model: {0}")]
     Model(#[from] trainrec_models::ModelError),
@@ -49,6 +49,28 @@ pub enum EngineError {
     /// A broken internal invariant: a trainrec bug.
     #[error("internal error (please report): {0}")]
     Internal(String),
+}
+
+/// An engine's error by whose fault it is: a backend's own error (a collective that failed, a
+/// GPU) as that backend's, a batch that cannot be laid out as the data's, others as the
+/// embedding collection's.
+impl From<trainrec_embedding::EmbeddingError> for EngineError {
+    fn from(e: trainrec_embedding::EmbeddingError) -> Self {
+        use trainrec_embedding::EmbeddingError as E;
+        match e {
+            E::Backend(b) => {
+                if let Some(d) = b.downcast_ref::<trainrec_comm::DistError>() {
+                    Self::Dist(d.clone())
+                } else if let Some(c) = b.downcast_ref::<trainrec_cuda::CudaError>() {
+                    Self::Cuda(c.clone())
+                } else {
+                    Self::Embedding(E::Backend(b))
+                }
+            }
+            E::Input(s) => s.into(),
+            other => Self::Embedding(other),
+        }
+    }
 }
 
 /// A batch's sparse features that cannot be laid out (a variable-batch KJT whose inverse

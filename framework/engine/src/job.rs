@@ -166,12 +166,12 @@ impl Job {
                         let mut gpu =
                             target.collection(cpu).map_err(|e| trainrec_comm::DistError::Module(e.to_string()))?;
                         gpu.set_bounds_check(bounds);
-                        Ok(Box::new(gpu) as Box<dyn trainrec_sharding::ShardEngine>)
+                        Ok(Box::new(gpu) as Box<dyn trainrec_embedding::TableEngine>)
                     })?;
                     tracing::info!(rank = pg.rank(), gpu = ?target.gpu(), "this rank's shards in the CUDA engine");
                 }
                 (
-                    SparseArch::Sharded(Box::new(sharded)),
+                    SparseArch::Train(Box::new(sharded)),
                     Some(DataParallel::new(
                         pg,
                         &vs,
@@ -191,9 +191,9 @@ impl Job {
                     Some(target) => {
                         let mut on_gpu = target.collection(&ebc)?;
                         on_gpu.set_bounds_check(recipe.embedding.bounds_check);
-                        (SparseArch::Cuda(Box::new(on_gpu)), None)
+                        (SparseArch::Train(Box::new(on_gpu)), None)
                     }
-                    None => (SparseArch::Local(Box::new(ebc)), None),
+                    None => (SparseArch::Train(Box::new(ebc)), None),
                 }
             }
         };
@@ -404,8 +404,7 @@ impl Job {
         // The pipelines that read ahead; managed collisions remap a batch's ids just before
         // its lookup (the remap of batch i+1 resets rows batch i's update writes), so those
         // jobs train as `base`.
-        let pipelined =
-            pipeline.reads_ahead() && self.mc.is_empty() && !matches!(self.sparse, SparseArch::Quantized(_));
+        let pipelined = pipeline.reads_ahead() && self.mc.is_empty() && !matches!(self.sparse, SparseArch::Lookup(_));
         if pipeline.reads_ahead() && !pipelined {
             tracing::warn!(
                 "pipeline.kind = {:?}: a job with managed collisions trains as `base` (each batch's ids are \

@@ -16,7 +16,7 @@ use trainrec_recipe::MetricSection;
 use crate::error::EngineError;
 use crate::inputs::{RetrievalSpec, expand_vbe};
 use crate::job::Job;
-use crate::pipeline::{Ahead, tensors};
+use crate::pipeline::tensors;
 
 /// Recall@k over the eval split: per positive pair, is its candidate among the top k of the
 /// corpus for its query.
@@ -126,7 +126,7 @@ impl Job {
                 self.mc.eval(&mut b.sparse)?;
                 b
             };
-            let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?.map(|d| Ahead::Dist(Box::new(d)));
+            let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
             let (dense, sparse, labels, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
             let probs = tch::no_grad(|| {
                 self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float).to_device(Device::Cpu)
@@ -189,7 +189,7 @@ impl Job {
             let values: Vec<i64> = (start as i64..(start as usize + n) as i64).collect();
             let kjt = trainrec_sparse::KeyedJaggedTensor::new(keys.clone(), values, None, lengths, n)
                 .map_err(|e| EngineError::Data(e.into()))?;
-            let (sparse, _) = self.sparse.forward(&kjt, None)?;
+            let sparse = self.sparse.forward(&kjt, &mut trainrec_embedding::BatchContext::default())?;
             let sparse = sparse.to_device(self.vs.device());
             parts.push(tch::no_grad(|| retrieval.candidate_embeddings(&sparse)));
             start += n as u64;

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use trainrec_comm::{ProcessGroup, ProcessGroupExt};
+use trainrec_embedding::BatchContext;
 use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig, McState, McStats};
 use trainrec_planner::{Plan, ShardingType};
 use trainrec_recipe::{FeatureRef, McPolicy, Recipe};
@@ -225,7 +226,7 @@ impl McTables {
     /// plan, and routes the owner-remapped tables' ids by raw id. Called after building the
     /// job and after restoring a checkpoint's partitions.
     pub(crate) fn attach(&mut self, sparse: &mut SparseArch, recipe: &Recipe, plan: &Plan) -> Result<(), EngineError> {
-        let SparseArch::Sharded(s) = sparse else {
+        let Some(s) = sparse.sharded_mut() else {
             for t in &mut self.tables {
                 t.owner = false;
                 t.parts.iter_mut().for_each(|p| p.here = true);
@@ -335,8 +336,8 @@ impl McTables {
         &mut self,
         sparse: &mut SparseArch,
         kjt: &KeyedJaggedTensor,
-    ) -> Result<Option<InputDist>, EngineError> {
-        let SparseArch::Sharded(s) = sparse else { return Ok(None) };
+    ) -> Result<Option<BatchContext>, EngineError> {
+        let Some(s) = sparse.sharded_mut() else { return Ok(None) };
         if !self.has_owner_remap() {
             return Ok(None);
         }
@@ -344,7 +345,7 @@ impl McTables {
         for (table, rows, key) in self.train_owned(s, &mut staged) {
             s.reset_rows(&table, &rows, key)?;
         }
-        Ok(Some(staged))
+        Ok(Some(BatchContext::with_state(staged)))
     }
 
     /// [`Self::stage_train`] for an evaluation batch (after [`Self::eval`]): remapped without
@@ -353,14 +354,14 @@ impl McTables {
         &self,
         sparse: &SparseArch,
         kjt: &KeyedJaggedTensor,
-    ) -> Result<Option<InputDist>, EngineError> {
-        let SparseArch::Sharded(s) = sparse else { return Ok(None) };
+    ) -> Result<Option<BatchContext>, EngineError> {
+        let Some(s) = sparse.sharded() else { return Ok(None) };
         if !self.has_owner_remap() {
             return Ok(None);
         }
         let mut staged = s.input_dist(kjt)?;
         self.eval_owned(s, &mut staged);
-        Ok(Some(staged))
+        Ok(Some(BatchContext::with_state(staged)))
     }
 
     /// The owner-rank remap of a training batch after its input dist (`staged`): each part

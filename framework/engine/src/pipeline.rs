@@ -13,16 +13,15 @@
 
 use tch::{Device, Kind, Tensor};
 use trainrec_data::{Batch, BatchStream, DataError};
-use trainrec_embedding::EmbeddingBagCollection;
+use trainrec_embedding::{BatchContext, EmbeddingEngine};
 use trainrec_models::{DenseModel, DenseOptimizer, LossInput};
 use trainrec_recipe::PipelineKind;
-use trainrec_sharding::DistContext;
 
 use crate::data_parallel::DataParallel;
 use crate::error::EngineError;
 use crate::inputs::{BatchLayout, expand_vbe};
 use crate::managed_collisions::McTables;
-use crate::sparse_arch::{SparseArch, cuda_tensor_device};
+use crate::sparse_arch::SparseArch;
 
 /// The train split's batches as the pipeline reads them: with a pipeline that reads ahead,
 /// batch i+1 is read (and every rank agrees it exists) before batch i trains.
@@ -117,9 +116,9 @@ pub(crate) struct StepParts<'a> {
 /// A job's train pipeline: its kind, and the batch it staged ahead of the next step.
 pub(crate) struct Pipeline {
     kind: PipelineKind,
-    /// A pipeline that reads ahead: the next batch after its input dist (sharded jobs), or
-    /// copied to the GPU (one-GPU jobs).
-    staged: Option<Ahead>,
+    /// A pipeline that reads ahead: the next batch's context from its stage (its input dist
+    /// on sharded jobs, its copy on one-GPU jobs).
+    staged: Option<BatchContext>,
     /// The last sharded step's phase times (its input dist's wherever it ran).
     last_times: Option<trainrec_sharding::StepTimes>,
 }
@@ -176,17 +175,17 @@ impl Pipeline {
         // Managed-collision jobs run the base pipeline: nothing is staged ahead for them.
         let staged = match self.staged.take() {
             Some(st) => Some(st),
-            None => mc.stage_train(arch, &batch.sparse)?.map(|d| Ahead::Dist(Box::new(d))),
+            None => mc.stage_train(arch, &batch.sparse)?,
         };
-        let (dense, sparse, labels, ctx) = tensors(layout, arch, batch, staged)?;
+        let (dense, sparse, labels, mut ctx) = tensors(layout, arch, batch, staged)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = batch.sparse.full_batch()?;
         let mut dense_parts = DenseParts { model, opt, sync, tasks: layout.tasks.len() };
         let prefetch = self.kind == PipelineKind::PrefetchSparseDist;
         let stage = match (ahead, &mut *arch) {
-            (Some(next), SparseArch::Local(ebc)) if prefetch => Some(Stage::Prefetch(next, ebc.as_mut())),
-            (Some(next), SparseArch::Cuda(gpu)) => Some(Stage::Cuda(next, gpu.as_mut(), prefetch)),
-            (Some(next), SparseArch::Sharded(s)) => Some(Stage::InputDist(next, s.as_mut(), prefetch)),
+            (Some(next), SparseArch::Train(engine)) if prefetch || engine.stages_ahead() => {
+                Some(Stage { next, engine: engine.as_mut(), prefetch })
+            }
             _ => None,
         };
         let (dense_part, staged) = std::thread::scope(|scope| {
@@ -198,7 +197,15 @@ impl Pipeline {
             });
             let dense_part = {
                 let _span = tracing::debug_span!("dense").entered();
-                dense_parts.forward_backward(&dense, &sparse, &labels, &ids, ctx.as_ref(), batch, want_predictions)
+                dense_parts.forward_backward(
+                    &dense,
+                    &sparse,
+                    &labels,
+                    &ids,
+                    ctx.batch_sizes.as_deref(),
+                    batch,
+                    want_predictions,
+                )
             };
             let staged = job.map(|j| {
                 j?.join().unwrap_or_else(|_| Err(EngineError::Internal("the pipeline's stage thread panicked".into())))
@@ -208,12 +215,13 @@ impl Pipeline {
         // A stage's failure is reported before this batch's update is applied: no rank has
         // applied it (each rank's stage fails in the same collective, or its peers see it leave).
         let (scaled_loss, logits, examples) = dense_part?;
-        self.staged = staged.transpose()?.flatten();
-        let loss_value = dense_parts.finish(scaled_loss, ctx.is_some())?;
-        // The EBC reads the gradient tensor's memory in place.
+        self.staged = staged.transpose()?;
+        let loss_value = dense_parts.finish(scaled_loss, ctx.batch_sizes.is_some())?;
+        // The engine reads the gradient tensor's memory in place.
         {
             let _span = tracing::debug_span!("sparse_update").entered();
-            self.last_times = arch.backward(&batch.sparse, ctx, &sparse.grad())?;
+            arch.backward(&batch.sparse, &mut ctx, &sparse.grad())?;
+            self.last_times = ctx.times;
         }
         let predictions = match logits {
             Some(logits) if want_predictions => {
@@ -226,15 +234,15 @@ impl Pipeline {
     }
 }
 
-/// The batch's dense features, pooled embeddings and labels as tensors, and the sharded
-/// forward's context (collective across ranks); `staged`: the batch's input dist, when a
-/// pipeline ran it ahead.
+/// The batch's dense features, pooled embeddings and labels as tensors, and the batch's
+/// context for its backward (the lookup is collective across ranks when sharded); `staged`:
+/// the batch's context from a stage that ran ahead.
 pub(crate) fn tensors(
     layout: &BatchLayout,
     arch: &SparseArch,
     batch: &Batch,
-    staged: Option<Ahead>,
-) -> Result<(Tensor, Tensor, Tensor, Option<DistContext>), EngineError> {
+    staged: Option<BatchContext>,
+) -> Result<(Tensor, Tensor, Tensor, BatchContext), EngineError> {
     let b = batch.batch_size as i64;
     if batch.dense.len() != batch.batch_size * layout.num_dense
         || batch.labels.len() != batch.batch_size * layout.num_labels
@@ -254,33 +262,16 @@ pub(crate) fn tensors(
         }));
     }
     let device = layout.device;
-    let (dense, sparse, labels, ctx) = match (arch, staged) {
-        (SparseArch::Cuda(gpu), staged) => {
-            let staged = match staged {
-                Some(Ahead::Gpu(s)) => Some(s),
-                Some(Ahead::Dist(_)) => {
-                    return Err(EngineError::Internal("a one-GPU job was given a sharded batch's input dist".into()));
-                }
-                None => None,
-            };
-            let (dense, sparse, labels) = cuda_tensors(layout, gpu, batch, staged)?;
-            (dense, sparse, labels, None)
-        }
-        (_, staged) => {
-            let staged = match staged {
-                Some(Ahead::Dist(d)) => Some(*d),
-                Some(Ahead::Gpu(_)) => {
-                    return Err(EngineError::Internal("a batch staged on a GPU reached a CPU lookup".into()));
-                }
-                None => None,
-            };
+    let mut ctx = staged.unwrap_or_default();
+    let (dense, sparse, labels) = match arch.gpu() {
+        Some(gpu) => gpu_tensors(layout, arch, gpu, batch, &mut ctx)?,
+        None => {
             let dense = Tensor::from_slice(&batch.dense).f_view([b, layout.num_dense as i64])?.to_device(device);
-            let (sparse, ctx) = arch.forward(&batch.sparse, staged)?;
-            // A sharded lookup's output comes to the host (the output dist's); the dense
-            // model's device, when that is a GPU.
-            let sparse = sparse.to_device(device);
+            // A host engine's output (a sharded lookup's comes from its output dist) goes to the
+            // dense model's device, when that is a GPU.
+            let sparse = arch.forward(&batch.sparse, &mut ctx)?.to_device(device);
             let labels = Tensor::from_slice(&batch.labels).f_view([b, layout.num_labels as i64])?.to_device(device);
-            (dense, sparse, labels, ctx)
+            (dense, sparse, labels)
         }
     };
     // [batch, tasks]: each task's label column (all columns, in order, need no selection).
@@ -296,109 +287,58 @@ pub(crate) fn tensors(
 }
 
 /// A one-GPU job's dense features, pooled embeddings and labels on the GPU: the batch's
-/// ids, dense features and labels copied on the high-priority copy stream (`staged`: by
-/// the pipeline's stage while the previous batch trained; else now, the `base` pipeline's
-/// copy stage), the lookups reading the ids there.
-fn cuda_tensors(
+/// ids, dense features and labels copied on the high-priority copy stream (by the pipeline's
+/// stage while the previous batch trained, in `ctx`; else now, the `base` pipeline's copy
+/// stage), the lookups reading the ids there.
+fn gpu_tensors(
     layout: &BatchLayout,
+    arch: &SparseArch,
     gpu: &trainrec_cuda::CudaEbc,
     batch: &Batch,
-    staged: Option<trainrec_cuda::StagedBatch>,
+    ctx: &mut BatchContext,
 ) -> Result<(Tensor, Tensor, Tensor), EngineError> {
-    let kjt = batch.sparse.full_batch()?;
-    let staged = match staged {
-        Some(s) => s,
-        None => stage_on_gpu(gpu, batch, &kjt)?,
-    };
-    let dev = cuda_tensor_device(gpu);
-    let (b, nd, nl, w) =
-        (batch.batch_size as i64, layout.num_dense as i64, layout.num_labels as i64, gpu.width() as i64);
+    if ctx.state::<trainrec_cuda::StagedBatch>().is_none() {
+        let kjt = batch.sparse.full_batch()?;
+        ctx.set_state(gpu.stage(&kjt, &batch_parts(batch))?);
+    }
+    let staged = ctx.state::<trainrec_cuda::StagedBatch>().expect("staged above");
+    let dev = crate::tensors::device_of(trainrec_embedding::EmbeddingLookup::memory(gpu));
+    let (b, nd, nl) = (batch.batch_size as i64, layout.num_dense as i64, layout.num_labels as i64);
     let parts = staged.parts()?;
     // SAFETY: `parts` are the staged copies of `batch.dense` ([b, nd] floats) and
     // `batch.labels` ([b, nl] floats) in the GPU's memory (host memory on the emulator),
-    // valid while `staged` lives; the default stream waits for their copy (`parts`), and
-    // each view is copied into a tensor of libtorch's own on that stream before `staged`
-    // is dropped (which frees the slot only once the stream is past these copies).
+    // valid while the staged batch lives in `ctx`; the default stream waits for their copy
+    // (`parts`), and each view is copied into a tensor of libtorch's own on that stream before
+    // the lookup below takes the staged batch out of `ctx` and drops it (which frees the slot
+    // only once the stream is past these copies).
     let (dense, labels) = unsafe {
         (
             Tensor::from_blob(parts[0] as *const u8, &[b, nd], &[], Kind::Float, dev).copy(),
             Tensor::from_blob(parts[1] as *const u8, &[b, nl], &[], Kind::Float, dev).copy(),
         )
     };
-    let sparse = Tensor::empty([b, w], (Kind::Float, dev));
-    if b * w > 0 {
-        // SAFETY: `sparse` is a new contiguous float tensor of b * w elements on the
-        // collection's GPU; the kernels run on the default stream, before libtorch's later
-        // work on it.
-        unsafe { gpu.forward_staged_into_raw(&kjt, &staged, sparse.data_ptr() as u64)? };
-    }
-    drop(staged);
+    let sparse = arch.forward(&batch.sparse, ctx)?;
     Ok((dense, sparse, labels))
 }
 
-/// A batch a pipeline staged ahead of its step.
-pub(crate) enum Ahead {
-    /// A sharded job's: its input dist.
-    Dist(Box<trainrec_sharding::InputDist>),
-    /// A one-GPU job's: its ids, dense features and labels copied to the GPU.
-    Gpu(trainrec_cuda::StagedBatch),
-}
-
-/// Copies a batch's ids (`kjt`, the batch's full sparse features), dense features and labels
-/// to the GPU on its copy stream.
-fn stage_on_gpu(
-    gpu: &trainrec_cuda::CudaEbc,
-    batch: &Batch,
-    kjt: &trainrec_sparse::KeyedJaggedTensor,
-) -> Result<trainrec_cuda::StagedBatch, EngineError> {
-    Ok(gpu.stage(kjt, &[bytemuck::cast_slice(&batch.dense), bytemuck::cast_slice(&batch.labels)])?)
+/// A batch's dense features and labels as the host buffers a GPU's stage copies with its ids.
+fn batch_parts(batch: &Batch) -> [&[u8]; 2] {
+    [bytemuck::cast_slice(&batch.dense), bytemuck::cast_slice(&batch.labels)]
 }
 
 /// What the pipeline's second thread does for the next batch while this one's dense part
-/// runs.
-enum Stage<'a> {
-    /// One rank: load the batch's rows into the caches of cached tables.
-    Prefetch(&'a Batch, &'a mut EmbeddingBagCollection),
-    /// One GPU: the batch copied to the GPU on the copy stream, then (with `true`) its rows
-    /// into the GPU caches of cached tables.
-    Cuda(&'a Batch, &'a mut trainrec_cuda::CudaEbc, bool),
-    /// Sharded: the batch's input dist, then (with `true`) its rows into the shards' caches.
-    InputDist(&'a Batch, &'a mut trainrec_sharding::ShardedEbc, bool),
+/// runs: the engine's stage of it (a sharded job's input dist, a one-GPU job's copy) and with
+/// `prefetch` its rows into the caches.
+struct Stage<'a> {
+    next: &'a Batch,
+    engine: &'a mut dyn EmbeddingEngine,
+    prefetch: bool,
 }
 
 impl Stage<'_> {
-    fn run(self) -> Result<Option<Ahead>, EngineError> {
-        match self {
-            Self::Cuda(next, gpu, prefetch) => {
-                let kjt = next.sparse.full_batch()?;
-                let staged = {
-                    let _span = tracing::debug_span!("copy").entered();
-                    stage_on_gpu(gpu, next, &kjt)?
-                };
-                if prefetch {
-                    let _span = tracing::debug_span!("prefetch").entered();
-                    gpu.prefetch(&kjt)?;
-                }
-                Ok(Some(Ahead::Gpu(staged)))
-            }
-            Self::Prefetch(next, ebc) => {
-                let _span = tracing::debug_span!("prefetch").entered();
-                let kjt = next.sparse.full_batch()?;
-                ebc.prefetch(&kjt)?;
-                Ok(None)
-            }
-            Self::InputDist(next, s, prefetch) => {
-                let staged = {
-                    let _span = tracing::debug_span!("input_dist").entered();
-                    s.input_dist(&next.sparse)?
-                };
-                if prefetch {
-                    let _span = tracing::debug_span!("prefetch").entered();
-                    s.prefetch(&staged)?;
-                }
-                Ok(Some(Ahead::Dist(Box::new(staged))))
-            }
-        }
+    fn run(self) -> Result<BatchContext, EngineError> {
+        let _span = tracing::debug_span!("stage").entered();
+        Ok(self.engine.stage(&self.next.sparse, &batch_parts(self.next), self.prefetch)?)
     }
 }
 
@@ -423,7 +363,7 @@ impl DenseParts<'_> {
         sparse: &Tensor,
         labels: &Tensor,
         ids: &trainrec_sparse::KeyedJaggedTensor,
-        ctx: Option<&DistContext>,
+        batch_sizes: Option<&[usize]>,
         batch: &Batch,
         want_predictions: bool,
     ) -> Result<(f64, Option<Tensor>, usize), EngineError> {
@@ -443,12 +383,12 @@ impl DenseParts<'_> {
             }
         };
         self.opt.zero_grad();
-        let examples = ctx.map_or(batch.batch_size, |c| c.batch_sizes().iter().sum());
-        let loss_value = match (self.sync, ctx) {
-            (Some(_), Some(ctx)) => {
+        let examples = batch_sizes.map_or(batch.batch_size, |s| s.iter().sum());
+        let loss_value = match (self.sync, batch_sizes) {
+            (Some(_), Some(sizes)) => {
                 // This rank's share of the global batch's loss: after the sum across ranks the
-                // gradients are the global batch's (see the `dist` module).
-                let global: usize = ctx.batch_sizes().iter().sum();
+                // gradients are the global batch's (see the `sharding` crate).
+                let global: usize = sizes.iter().sum();
                 let share = batch.batch_size as f64 / global.max(1) as f64;
                 let scaled = &loss * share;
                 scaled.backward();

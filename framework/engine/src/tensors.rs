@@ -1,19 +1,58 @@
 //! Moving data between the embedding engine's `f32` slices and libtorch tensors without copies.
 
 use tch::{Device, Kind, Tensor};
-use trainrec_embedding::{EmbeddingBagCollection, EmbeddingError};
+use trainrec_embedding::{BatchContext, DeviceSlice, EmbeddingError, EmbeddingLookup, Memory, Pooled, PooledGrad};
 use trainrec_sparse::KeyedJaggedTensor;
 
-/// The collection's pooled embeddings of `kjt` as a new `[batch, width]` CPU float tensor,
-/// written in place by [`EmbeddingBagCollection::forward_into`] (no intermediate buffer).
-pub fn pooled_tensor(ebc: &EmbeddingBagCollection, kjt: &KeyedJaggedTensor) -> Result<Tensor, EmbeddingError> {
-    let (b, w) = (kjt.stride(), ebc.width());
-    let t = Tensor::empty([b as i64, w as i64], (Kind::Float, Device::Cpu));
-    // SAFETY: `t` is a new contiguous CPU float tensor of `b * w` elements that nothing else
-    // references while the slice lives.
-    let out = unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), b * w) };
-    ebc.forward_into(kjt, out)?;
+/// The libtorch device of an engine's memory (an emulated device's memory is host memory).
+pub fn device_of(memory: Memory) -> Device {
+    match memory {
+        Memory::Cuda(n) => Device::Cuda(n),
+        Memory::Host | Memory::Emulated => Device::Cpu,
+    }
+}
+
+/// The engine's pooled embeddings of `kjt` as a new `[batch, width]` float tensor in the
+/// engine's memory, written in place by [`EmbeddingLookup::forward_into`] (no intermediate
+/// buffer); `ctx`: the batch's context (see the trait).
+pub fn pooled_tensor(
+    engine: &dyn EmbeddingLookup,
+    kjt: &KeyedJaggedTensor,
+    ctx: &mut BatchContext,
+) -> Result<Tensor, EmbeddingError> {
+    let (b, w) = (kjt.examples(), engine.width());
+    let memory = engine.memory();
+    let t = Tensor::empty([b as i64, w as i64], (Kind::Float, device_of(memory)));
+    let out = match memory {
+        // SAFETY: `t` is a new contiguous CPU float tensor of `b * w` elements that nothing
+        // else references while the slice lives.
+        Memory::Host if b * w == 0 => Pooled::Host(&mut []),
+        Memory::Host => Pooled::Host(unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), b * w) }),
+        // SAFETY: `t` is a new contiguous float tensor of `b * w` elements in the engine's
+        // memory, alive until after the engine's work on it: the engine's kernels run on the
+        // default stream, before any later libtorch work on `t` (libtorch's default stream is
+        // the same stream).
+        Memory::Cuda(_) | Memory::Emulated => Pooled::Device(unsafe { DeviceSlice::new(t.data_ptr() as u64, b * w) }),
+    };
+    engine.forward_into(kjt, ctx, out)?;
     Ok(t)
+}
+
+/// Calls `f` with the pooled output's gradient `grad` as the engine of `memory` takes it: a
+/// host slice (in place when `grad` is a contiguous CPU float tensor), or a contiguous float
+/// tensor in the engine's memory, by address.
+pub fn with_grad_buffer<R>(grad: &Tensor, memory: Memory, f: impl FnOnce(PooledGrad<'_>) -> R) -> R {
+    match memory {
+        Memory::Host => with_f32_slice(grad, |g| f(PooledGrad::Host(g))),
+        Memory::Cuda(_) | Memory::Emulated => {
+            let g = grad.to_device(device_of(memory)).to_kind(Kind::Float).contiguous();
+            // SAFETY: `g` is a contiguous float tensor of `numel` values in the engine's
+            // memory, alive until `f` returns; the engine reads it on the default stream, in
+            // order with libtorch's work that produced it and before any later reuse of its
+            // memory.
+            f(PooledGrad::Device(unsafe { DeviceSlice::new(g.data_ptr() as u64, g.numel()) }))
+        }
+    }
 }
 
 /// Calls `f` with the values of `t` as one row-major `f32` slice: in place when `t` is already

@@ -17,7 +17,7 @@ use trainrec_embedding::{
 use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{ShardEngine, ShardSpec, ShardedEbc, ShardedEc, TableSharding};
+use crate::{ShardSpec, ShardedEbc, ShardedEc, TableSharding};
 use trainrec_comm::{DistError, ProcessGroup};
 
 /// Training steps per case.
@@ -134,7 +134,8 @@ fn case_batches(pg: &dyn ProcessGroup, case: &Case) -> Result<(usize, Vec<Batch>
 }
 
 /// Builds the engine a rank's shards move into ([`ShardedEbc::move_shards`]).
-pub type MakeEngine<'a> = &'a mut dyn FnMut(&EmbeddingBagCollection) -> Result<Box<dyn ShardEngine>, DistError>;
+pub type MakeEngine<'a> =
+    &'a mut dyn FnMut(&EmbeddingBagCollection) -> Result<Box<dyn trainrec_embedding::TableEngine>, DistError>;
 
 /// Runs `case` on this rank of `pg` (every rank must run the same cases in the same order).
 pub fn run_case(pg: Arc<dyn ProcessGroup>, case: &Case) -> Result<(), String> {

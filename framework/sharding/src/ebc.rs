@@ -40,12 +40,11 @@
 use std::sync::Arc;
 
 use trainrec_comm::{DistError, ProcessGroup};
-use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, SparseOptimizerConfig};
+use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, SparseOptimizerConfig, TableEngine};
 use trainrec_planner::ShardingType;
 
 use crate::layout::{Layout, Output, Partial, Route, initial_replica_weights, initial_shard_weights, two_stage};
 use crate::module;
-use crate::shard_engine::ShardEngine;
 use crate::state::{LocalShard, parts};
 use crate::tiling::{TableSharding, check_shardings};
 
@@ -71,11 +70,11 @@ pub struct ShardedEbc {
     /// Floats per example of the reduce-scatter.
     pub(crate) rs_width: usize,
     /// This rank's shards (one local table each), in the engine computing them.
-    pub(crate) local: Option<Box<dyn ShardEngine>>,
+    pub(crate) local: Option<Box<dyn TableEngine>>,
     /// Local table name of each (table, shard) held here.
     pub(crate) local_names: Vec<Vec<Option<String>>>,
     /// The data-parallel tables' replicas, in the engine computing them.
-    pub(crate) dp: Option<Box<dyn ShardEngine>>,
+    pub(crate) dp: Option<Box<dyn TableEngine>>,
     pub(crate) dp_outputs: Vec<usize>,
     pub(crate) optimizer: SparseOptimizerConfig,
     /// Ranks per host.
@@ -185,7 +184,7 @@ impl ShardedEbc {
             for (name, w) in initial_shard_weights(&tables, &shardings, &init, seed) {
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
-            Some(Box::new(ebc) as Box<dyn ShardEngine>)
+            Some(Box::new(ebc) as Box<dyn TableEngine>)
         };
         if let Some(l) = &local {
             if l.output_keys() != expected {
@@ -203,7 +202,7 @@ impl ShardedEbc {
             for (name, w) in initial_replica_weights(&tables, &shardings, seed) {
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
-            Some(Box::new(ebc) as Box<dyn ShardEngine>)
+            Some(Box::new(ebc) as Box<dyn TableEngine>)
         };
         Ok(Self {
             pg,
@@ -240,12 +239,12 @@ impl ShardedEbc {
     }
 
     /// The engine of this rank's shards (with their caches), when it holds any.
-    pub fn local(&self) -> Option<&dyn ShardEngine> {
+    pub fn local(&self) -> Option<&dyn TableEngine> {
         self.local.as_deref()
     }
 
     /// The engine of this rank's data-parallel replicas, when there are any.
-    pub fn replicas(&self) -> Option<&dyn ShardEngine> {
+    pub fn replicas(&self) -> Option<&dyn TableEngine> {
         self.dp.as_deref()
     }
 
@@ -256,7 +255,7 @@ impl ShardedEbc {
     /// outputs.
     pub fn move_shards(
         &mut self,
-        mut make: impl FnMut(&EmbeddingBagCollection) -> Result<Box<dyn ShardEngine>, DistError>,
+        mut make: impl FnMut(&EmbeddingBagCollection) -> Result<Box<dyn TableEngine>, DistError>,
     ) -> Result<(), DistError> {
         for engine in [&mut self.local, &mut self.dp].into_iter().flatten() {
             let cpu = engine
@@ -312,7 +311,7 @@ impl ShardedEbc {
         let t = &self.tables[ti];
         if self.shardings[ti].sharding_type == ShardingType::DataParallel {
             let dp = self.dp.as_mut().expect("data-parallel tables have replicas");
-            return dp.reset_rows(name, rows, key);
+            return dp.reset_rows(name, rows, key).map_err(module);
         }
         let me = self.pg.rank();
         for (si, sh) in self.shardings[ti].shards.iter().enumerate().filter(|(_, sh)| sh.rank == me) {
@@ -324,7 +323,7 @@ impl ShardedEbc {
                 trainrec_embedding::RowBlock { row_offset: sh.rows.start, cols: sh.cols.clone(), full_dim: t.dim };
             let lname = self.local_names[ti][si].as_deref().expect("a local shard has a local table");
             let l = self.local.as_mut().expect("local shards");
-            l.reset_block_rows(lname, &local, key, &block, t.rows)?;
+            l.reset_block_rows(lname, &local, key, &block, t.rows).map_err(module)?;
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection};
 use trainrec_planner::Plan;
 
-use crate::shard_engine::LocalTables;
+use crate::local::LocalTables;
 use crate::{ShardedEbc, ShardedEc, TableSharding};
 use trainrec_comm::{DistError, ProcessGroup};
 
@@ -72,7 +72,11 @@ pub fn shard_ebc(
     let tables: Vec<EmbeddingBagConfig> = ebc.table_configs().cloned().collect();
     let shardings = plan.shardings_for(&tables)?;
     let mut sharded = ShardedEbc::new(tables.clone(), shardings, ebc.optimizer().clone(), 0, pg)?;
-    copy_tables(ebc, &tables, |name, w, s, n| sharded.load_table(name, w, s, n))?;
+    copy_tables(
+        &tables,
+        |n| (ebc.table_weights(n), ebc.optimizer_state(n), ebc.step_count(n)),
+        |name, w, s, n| sharded.load_table(name, w, s, n),
+    )?;
     Ok(sharded)
 }
 
@@ -85,18 +89,24 @@ pub fn shard_ec(
     let tables: Vec<EmbeddingBagConfig> = ec.table_configs().cloned().collect();
     let shardings = plan.shardings_for(&tables)?;
     let mut sharded = ShardedEc::new(tables.clone(), shardings, ec.optimizer().clone(), 0, pg)?;
-    copy_tables(ec, &tables, |name, w, s, n| sharded.load_table(name, w, s, n))?;
+    copy_tables(
+        &tables,
+        |n| (ec.weights(n), ec.state(n), ec.steps(n)),
+        |name, w, s, n| sharded.load_table(name, w, s, n),
+    )?;
     Ok(sharded)
 }
 
-/// Hands each table's weights, optimizer state and step count from `src` to `load`.
-fn copy_tables<L: LocalTables>(
-    src: &L,
+/// Hands each table's weights, optimizer state and step count (`src` of its name) to `load`.
+#[allow(clippy::type_complexity)]
+fn copy_tables(
     tables: &[EmbeddingBagConfig],
+    src: impl Fn(&str) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<u64>),
     mut load: impl FnMut(&str, &[f32], Option<&[f32]>, Option<u64>) -> Result<(), DistError>,
 ) -> Result<(), DistError> {
     for t in tables {
-        load(&t.name, &src.weights(&t.name).unwrap_or_default(), src.state(&t.name).as_deref(), src.steps(&t.name))?;
+        let (weights, state, steps) = src(&t.name);
+        load(&t.name, &weights.unwrap_or_default(), state.as_deref(), steps)?;
     }
     Ok(())
 }

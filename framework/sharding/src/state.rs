@@ -8,7 +8,7 @@ use trainrec_comm::{DistError, ProcessGroup, ProcessGroupExt, offsets};
 use trainrec_embedding::{EmbeddingBagConfig, SparseOptimizerConfig, StatePart};
 use trainrec_planner::ShardingType;
 
-use crate::shard_engine::LocalTables;
+use crate::local::LocalTables;
 use crate::tiling::TableSharding;
 
 /// The whole table `ti` as fp32 `[rows, dim]` from every rank's shards; `local(name)` reads a
@@ -86,29 +86,7 @@ pub(crate) fn shard_blocks(
         .collect())
 }
 
-/// One shard of a table held by this rank and where it sits in the table: TorchRec's local
-/// shard of a `ShardedTensor` in the state dict (a data-parallel replica is one shard covering
-/// the table).
-#[derive(Clone, Debug, PartialEq)]
-pub struct LocalShard {
-    /// The table.
-    pub table: String,
-    /// The table's rows and columns.
-    pub table_shape: [usize; 2],
-    /// The shard's rows of the table.
-    pub rows: Range<u64>,
-    /// The shard's columns of the table.
-    pub cols: Range<usize>,
-    /// Whether every rank holds it (a data-parallel replica).
-    pub replicated: bool,
-    /// Its weights, `[rows, cols]` row-major, fp32.
-    pub weights: Vec<f32>,
-    /// Its fused optimizer's state, per row the parts of
-    /// [`SparseOptimizerConfig::state_layout`] over the shard's columns.
-    pub optimizer_state: Vec<f32>,
-    /// Optimizer steps applied to it.
-    pub step_count: u64,
-}
+pub use trainrec_embedding::LocalShard;
 
 /// The tables of a sharded collection on one rank (either kind of collection): their configs,
 /// shardings and local table names.

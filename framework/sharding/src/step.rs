@@ -14,26 +14,7 @@ use crate::module;
 use crate::state::parts;
 use crate::two_stage::{TwoStage, merge_by_source, width_of};
 
-/// Where a step's time went on this rank (seconds) and the bytes this rank sent, per phase.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StepTimes {
-    /// Input dist: bucketizing, the splits and the lengths / ids / weights all-to-alls, and
-    /// assembling the local batch.
-    pub input_dist: f64,
-    /// Local pooled lookups (shards and data-parallel replicas).
-    pub lookup: f64,
-    /// Output dist: the pooled rows' all-to-all and placing them in the output.
-    pub output_dist: f64,
-    /// Backward dist: the output gradient's all-to-all to the shards (and the data-parallel
-    /// all-gathers).
-    pub grad_dist: f64,
-    /// The fused optimizer updates.
-    pub update: f64,
-    /// Bytes sent by the input dist's all-to-alls (splits, lengths, ids, weights).
-    pub input_bytes: usize,
-    /// Bytes sent by the output dist's all-to-all.
-    pub output_bytes: usize,
-}
+pub use trainrec_embedding::StepTimes;
 
 /// What a forward leaves for its backward (one per batch in flight).
 pub struct DistContext {
@@ -249,7 +230,7 @@ impl ShardedEbc {
     /// nothing to do without cached shards).
     pub fn prefetch(&mut self, staged: &InputDist) -> Result<(), DistError> {
         if let (Some(local), Some(k)) = (&mut self.local, &staged.local_kjt) {
-            local.prefetch(k)?;
+            crate::local::prefetch(local.as_mut(), k)?;
         }
         Ok(())
     }
@@ -331,7 +312,7 @@ impl ShardedEbc {
         let lw = self.local_width[me];
         let mut pooled = vec![0f32; stride * lw];
         if let (Some(local), Some(k)) = (&self.local, &local_kjt) {
-            local.forward_into(k, &mut pooled)?;
+            crate::local::lookup(local.as_ref(), k, &mut pooled)?;
         }
         times.lookup = clock.elapsed().as_secs_f64();
 
@@ -453,7 +434,7 @@ impl ShardedEbc {
             let k = kjt.select_keys(&unique).and_then(|k| k.expand_vbe()).map_err(module)?;
             let pw = dp.width();
             let mut vals = vec![0f32; k.stride() * pw];
-            dp.forward_into(&k, &mut vals)?;
+            crate::local::lookup(dp.as_ref(), &k, &mut vals)?;
             let mut c = 0;
             for &o in &self.dp_outputs {
                 let dim = self.tables[self.outputs[o].table].dim;
@@ -617,7 +598,7 @@ impl ShardedEbc {
         times.grad_dist = clock.elapsed().as_secs_f64();
         let clock = std::time::Instant::now();
         if let (Some(local), Some(k)) = (&mut self.local, &ctx.input.local_kjt) {
-            local.backward_and_update(k, &local_grad)?;
+            crate::local::update(local.as_mut(), k, &local_grad)?;
         }
         times.update = clock.elapsed().as_secs_f64();
 
@@ -649,7 +630,7 @@ impl ShardedEbc {
             let global = merge_by_source(k.keys().to_vec(), &per_key, &lengths, &values, weights.as_deref(), total)?;
             times.grad_dist += clock.elapsed().as_secs_f64();
             let clock = std::time::Instant::now();
-            dp.backward_and_update(&global, &grads)?;
+            crate::local::update(dp.as_mut(), &global, &grads)?;
             times.update += clock.elapsed().as_secs_f64();
         }
         Ok(times)

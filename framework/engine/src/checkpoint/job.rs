@@ -16,6 +16,7 @@
 //! `state`.
 
 use std::collections::BTreeMap;
+use trainrec_embedding::EmbeddingBagCollection;
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -106,12 +107,12 @@ impl Job {
     /// Replaces a one-rank job's tables by inference tables quantized to `precision` (int8
     /// row-wise or fp16): [`Job::evaluate`] then reads them; training is refused.
     pub fn quantize(&mut self, precision: trainrec_embedding::quant::QuantPrecision) -> Result<(), EngineError> {
-        let crate::sparse_arch::SparseArch::Local(ebc) = &self.sparse else {
+        let Some(ebc) = self.sparse.engine().and_then(|e| e.as_any().downcast_ref::<EmbeddingBagCollection>()) else {
             return Err(EngineError::Internal("quantized inference runs on one rank (topology.world_size = 1)".into()));
         };
         let q = trainrec_embedding::quant::QuantizedEbc::from_ebc(ebc, precision)?;
         tracing::info!(?precision, bytes = q.bytes(), "tables quantized");
-        self.sparse = crate::sparse_arch::SparseArch::Quantized(Box::new(q));
+        self.sparse = crate::sparse_arch::SparseArch::Lookup(Box::new(q));
         Ok(())
     }
 
