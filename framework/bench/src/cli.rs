@@ -5,6 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use trainrec_embedding::SparseOptimizerConfig;
+use trainrec_planner::{ComputeDevice, CostModel, ProposerKind, ShardingType};
+use trainrec_recipe::PipelineKind;
+use trainrec_types::cli::word;
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
@@ -34,17 +38,6 @@ pub enum BenchCommand {
     Pipeline(PipelineArgs),
 }
 
-/// A train pipeline of `bench pipeline`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum PipelineArg {
-    /// One batch at a time.
-    Base,
-    /// Batch i+1's input dist while batch i computes.
-    SparseDist,
-    /// `sparse_dist`, and batch i+1's rows prefetched into the table caches.
-    PrefetchSparseDist,
-}
-
 /// Flags of `trainrec bench pipeline`.
 #[derive(Debug, clap::Args)]
 pub struct PipelineArgs {
@@ -52,11 +45,11 @@ pub struct PipelineArgs {
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,
     /// The pipelines timed, in order, each on a freshly built job.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "base,sparse-dist")]
-    pub kinds: Vec<PipelineArg>,
-    /// How every table is sharded.
-    #[arg(long, value_enum, default_value = "row-wise")]
-    pub sharding: DistShardingArg,
+    #[arg(long, value_parser = word::<PipelineKind>(), value_delimiter = ',', default_value = "base,sparse_dist")]
+    pub kinds: Vec<PipelineKind>,
+    /// How every table is sharded (its `sharding_types`).
+    #[arg(long, value_parser = word::<ShardingType>(), default_value = "row_wise")]
+    pub sharding: ShardingType,
     /// The model, tables and batch (`--batch`: examples per rank).
     #[command(flatten)]
     pub shape: DlrmShape,
@@ -74,26 +67,16 @@ pub struct PipelineArgs {
     pub cache_load_factor: Option<f64>,
 }
 
-/// Sharding of `bench dist`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum DistShardingArg {
-    /// Whole tables, round robin over the ranks.
-    TableWise,
-    /// Row blocks over every rank.
-    RowWise,
-    /// Column blocks over every rank.
-    ColumnWise,
-}
-
 /// Flags of `trainrec bench dist`.
 #[derive(Debug, clap::Args)]
 pub struct DistArgs {
     /// Ranks (threads of this process; under `mpirun`, its `-n` instead).
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,
-    /// How every table is sharded.
-    #[arg(long, value_enum, default_value = "table-wise")]
-    pub sharding: DistShardingArg,
+    /// How every table is sharded: `table_wise` (round robin over the ranks), `row_wise` or
+    /// `column_wise` (blocks over every rank).
+    #[arg(long, value_parser = word::<ShardingType>(), default_value = "table_wise")]
+    pub sharding: ShardingType,
     /// Tables (one feature each).
     #[arg(long, default_value_t = 26)]
     pub tables: usize,
@@ -120,24 +103,6 @@ pub struct DistArgs {
     pub dedup: bool,
 }
 
-/// Device of `bench plan`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum DeviceArg {
-    /// CPU ranks.
-    Cpu,
-    /// CUDA ranks.
-    Cuda,
-}
-
-/// Proposers of `bench plan`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum ProposerArg {
-    /// TorchRec's default list (grid, greedy, greedy by sum, uniform).
-    Default,
-    /// Greedy only (`--threshold` early stop).
-    Greedy,
-}
-
 /// Flags of `trainrec bench plan`.
 #[derive(Debug, clap::Args)]
 pub struct PlanArgs {
@@ -154,14 +119,15 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 512)]
     pub batch: u64,
     /// Compute device.
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cuda)]
-    pub compute_device: DeviceArg,
-    /// Estimator formulas.
-    #[arg(long, value_enum, default_value_t = CostModelArg::Trainrec)]
-    pub cost_model: CostModelArg,
-    /// Proposers.
-    #[arg(long, value_enum, default_value_t = ProposerArg::Default)]
-    pub proposer: ProposerArg,
+    #[arg(long, value_parser = word::<ComputeDevice>(), default_value = "cuda")]
+    pub compute_device: ComputeDevice,
+    /// Estimator formulas: trainrec's engines, or TorchRec's default estimators and search
+    /// space.
+    #[arg(long, value_parser = word::<CostModel>(), default_value = "trainrec")]
+    pub cost_model: CostModel,
+    /// Proposers (`planner.proposer`).
+    #[arg(long, value_parser = word::<ProposerKind>(), default_value = "default")]
+    pub proposer: ProposerKind,
     /// Greedy early-stop threshold (with `--proposer greedy`).
     #[arg(long)]
     pub threshold: Option<u32>,
@@ -336,23 +302,6 @@ pub enum DistArg {
     Zipf,
 }
 
-/// Fused optimizer of `bench ebc`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum OptimizerArg {
-    /// SGD.
-    Sgd,
-    /// Exact element-wise Adagrad.
-    Adagrad,
-    /// Exact row-wise Adagrad (the anchor's optimizer).
-    RowwiseAdagrad,
-    /// Adam.
-    Adam,
-    /// Partial row-wise Adam.
-    PartialRowwiseAdam,
-    /// LAMB.
-    Lamb,
-}
-
 /// Flags of `trainrec bench ebc`.
 #[derive(Debug, clap::Args)]
 pub struct EbcArgs {
@@ -390,8 +339,10 @@ pub struct EbcArgs {
     #[arg(long, default_value_t = 4)]
     pub num_batches: usize,
     /// Fused optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerArg::RowwiseAdagrad)]
-    pub optimizer: OptimizerArg,
+    /// (`optimizer.sparse.kind`: `sgd`, `adagrad`, `rowwise_adagrad`, `adam`,
+    /// `partial_rowwise_adam`, `lamb`; other hyperparameters at their defaults.)
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SparseOptimizerConfig::KINDS), default_value = "rowwise_adagrad")]
+    pub optimizer: String,
     /// Learning rate.
     #[arg(long, default_value_t = 0.01)]
     pub lr: f32,
@@ -415,8 +366,8 @@ pub struct EbcArgs {
     pub quant: bool,
     /// Where the tables live: `cpu` (the CPU engine) or `cuda` (GPU memory, the CUDA kernels;
     /// `--mc-interval` and `--quant` are CPU-only).
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
+    #[arg(long, value_parser = word::<ComputeDevice>(), default_value = "cpu")]
+    pub device: ComputeDevice,
     /// GPU ordinal with `--device cuda`.
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
@@ -424,19 +375,17 @@ pub struct EbcArgs {
 
 impl EbcArgs {
     fn bench(&self) -> crate::embedding::EbcBench {
-        use trainrec_embedding::{SparseOptimizerConfig as O, WeightDecayMode, defaults};
-        let (lr, eps) = (self.lr, self.eps);
-        let (beta1, beta2, weight_decay) = (defaults::beta1(), defaults::beta2(), 0.0);
-        let optimizer = match self.optimizer {
-            OptimizerArg::Sgd => O::Sgd { lr },
-            OptimizerArg::Adagrad => O::Adagrad { lr, eps },
-            OptimizerArg::RowwiseAdagrad => {
-                O::RowwiseAdagrad { lr, eps, weight_decay, weight_decay_mode: WeightDecayMode::None }
-            }
-            OptimizerArg::Adam => O::Adam { lr, eps, beta1, beta2, weight_decay },
-            OptimizerArg::PartialRowwiseAdam => O::PartialRowwiseAdam { lr, eps, beta1, beta2, weight_decay },
-            OptimizerArg::Lamb => O::Lamb { lr, eps, beta1, beta2, weight_decay },
-        };
+        let mut optimizer = SparseOptimizerConfig::with_defaults(&self.optimizer, self.lr)
+            .expect("clap accepts only the optimizers' kinds");
+        // `--eps` for the optimizers that have one.
+        match &mut optimizer {
+            SparseOptimizerConfig::Sgd { .. } => {}
+            SparseOptimizerConfig::Adagrad { eps, .. }
+            | SparseOptimizerConfig::RowwiseAdagrad { eps, .. }
+            | SparseOptimizerConfig::Adam { eps, .. }
+            | SparseOptimizerConfig::PartialRowwiseAdam { eps, .. }
+            | SparseOptimizerConfig::Lamb { eps, .. } => *eps = self.eps,
+        }
         crate::embedding::EbcBench {
             tables: self.tables,
             rows: self.rows,
@@ -565,24 +514,6 @@ fn print_bench<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>)
     }
 }
 
-/// Cost model of `bench plan`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum CostModelArg {
-    /// trainrec's engines.
-    Trainrec,
-    /// TorchRec's default estimators and search space.
-    Torchrec,
-}
-
-impl CostModelArg {
-    fn model(self) -> trainrec_planner::CostModel {
-        match self {
-            Self::Trainrec => trainrec_planner::CostModel::Trainrec,
-            Self::Torchrec => trainrec_planner::CostModel::Torchrec,
-        }
-    }
-}
-
 /// Runs benchmark `which`: its JSON line on stdout, exit 2 (bad flags or inputs) on error.
 pub fn run(which: BenchCommand) -> ExitCode {
     match which {
@@ -605,15 +536,9 @@ pub fn run(which: BenchCommand) -> ExitCode {
                 world_size: a.world_size,
                 local_world_size: a.local_world_size,
                 batch: a.batch,
-                compute_device: match a.compute_device {
-                    DeviceArg::Cpu => trainrec_planner::ComputeDevice::Cpu,
-                    DeviceArg::Cuda => trainrec_planner::ComputeDevice::Cuda,
-                },
-                cost_model: a.cost_model.model(),
-                proposer: match a.proposer {
-                    ProposerArg::Default => trainrec_planner::ProposerKind::Default,
-                    ProposerArg::Greedy => trainrec_planner::ProposerKind::Greedy,
-                },
+                compute_device: a.compute_device,
+                cost_model: a.cost_model,
+                proposer: a.proposer,
                 threshold: a.threshold,
                 repeats: a.repeats,
                 explain: !a.no_explain,
@@ -657,8 +582,8 @@ pub fn run(which: BenchCommand) -> ExitCode {
             print_bench(crate::data::bench_readers(&options).map(|r| r.to_json()))
         }
         BenchCommand::Ebc(args) => match args.device {
-            DeviceArg::Cpu => print_bench(crate::embedding::run(&args.bench())),
-            DeviceArg::Cuda => print_bench(crate::cuda::run(&args.bench(), args.gpu)),
+            ComputeDevice::Cpu => print_bench(crate::embedding::run(&args.bench())),
+            ComputeDevice::Cuda => print_bench(crate::cuda::run(&args.bench(), args.gpu)),
         },
         BenchCommand::Dist(a) => {
             let b = crate::sharding::DistBench {
@@ -667,11 +592,7 @@ pub fn run(which: BenchCommand) -> ExitCode {
                 dim: a.dim,
                 batch: a.batch,
                 ids_per_feature: a.ids_per_feature,
-                sharding: match a.sharding {
-                    DistShardingArg::TableWise => trainrec_planner::ShardingType::TableWise,
-                    DistShardingArg::RowWise => trainrec_planner::ShardingType::RowWise,
-                    DistShardingArg::ColumnWise => trainrec_planner::ShardingType::ColumnWise,
-                },
+                sharding: a.sharding,
                 steps: a.steps,
                 warmup: a.warmup,
                 dedup: a.dedup,
@@ -688,21 +609,8 @@ pub fn run(which: BenchCommand) -> ExitCode {
                     cache_load_factor: a.cache_load_factor,
                     ..a.shape.bench()
                 },
-                sharding: match a.sharding {
-                    DistShardingArg::TableWise => "table_wise",
-                    DistShardingArg::RowWise => "row_wise",
-                    DistShardingArg::ColumnWise => "column_wise",
-                }
-                .into(),
-                kinds: a
-                    .kinds
-                    .iter()
-                    .map(|k| match k {
-                        PipelineArg::Base => trainrec_recipe::PipelineKind::Base,
-                        PipelineArg::SparseDist => trainrec_recipe::PipelineKind::SparseDist,
-                        PipelineArg::PrefetchSparseDist => trainrec_recipe::PipelineKind::PrefetchSparseDist,
-                    })
-                    .collect(),
+                sharding: a.sharding.name().into(),
+                kinds: a.kinds,
             };
             bench_pipeline(&b, a.world_size)
         }

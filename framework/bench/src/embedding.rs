@@ -354,12 +354,13 @@ fn time_mc(
     ebc: &mut EmbeddingBagCollection,
     plain: &[f64],
 ) -> Result<Value, EmbeddingError> {
-    use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig};
+    use trainrec_embedding::mc::{ManagedCollision, McConfig, McEvictionPolicy};
     let config = McConfig {
         rows: a.rows,
         zch_size: a.rows,
         input_hash_size: 1 << 40,
-        policy: EvictionPolicy::Lfu,
+        policy: McEvictionPolicy::Lfu,
+        decay_exponent: 1.0,
         eviction_interval: interval,
     };
     let mut modules: Vec<ManagedCollision> = (0..a.tables)

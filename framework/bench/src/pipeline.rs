@@ -40,11 +40,7 @@ impl Default for PipelineBench {
 }
 
 fn kind_name(k: PipelineKind) -> &'static str {
-    match k {
-        PipelineKind::Base => "base",
-        PipelineKind::SparseDist => "sparse_dist",
-        PipelineKind::PrefetchSparseDist => "prefetch_sparse_dist",
-    }
+    trainrec_types::Word::name(k)
 }
 
 /// The slowest rank's value of `x`.

@@ -262,7 +262,7 @@ pub struct StepArgs {
 impl StepArgs {
     /// The arguments of table `spec`'s update number `iter` (1 for the first).
     pub fn new(spec: &TableSpec, iter: u64) -> Self {
-        let c = spec.optimizer.step_constants(iter);
+        let c = trainrec_embedding::StepConstants::of(&spec.optimizer, iter);
         let (opt, wd_mode) = opt_code(c.kind);
         let (stochastic, rng_key, table) = match spec.rounding {
             Some((seed, table)) => (1, trainrec_embedding::rounding_key(seed, iter), table),

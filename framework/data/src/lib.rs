@@ -59,14 +59,7 @@ pub struct Batch {
     pub groups: Option<Vec<i64>>,
 }
 
-/// Which part of the data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Split {
-    /// Training examples.
-    Train,
-    /// Held-out evaluation examples.
-    Eval,
-}
+pub use trainrec_types::Split;
 
 /// The features a sampler produces.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -28,97 +28,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// How the tracked ids are chosen at each eviction.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum EvictionPolicy {
-    /// Most frequent ids (counts accumulated over the windows).
-    Lfu,
-    /// Most recently seen ids.
-    Lru {
-        /// Exponent of the age in the score.
-        decay_exponent: f64,
-    },
-    /// Frequency divided by a power of the age.
-    DistanceLfu {
-        /// Exponent of the age in the score.
-        decay_exponent: f64,
-    },
-}
-
-/// One table's managed-collision settings.
-#[derive(Clone, Debug, PartialEq)]
-pub struct McConfig {
-    /// Rows of the table.
-    pub rows: u64,
-    /// Slots for tracked ids (`<= rows`); see the module docs for the fallback.
-    pub zch_size: u64,
-    /// Size of the raw id space: raw ids are in `0..input_hash_size`.
-    pub input_hash_size: u64,
-    /// The policy.
-    pub policy: EvictionPolicy,
-    /// Training steps per eviction window.
-    pub eviction_interval: u64,
-}
-
-/// One of the independent modules a table's managed collisions are split into
-/// ([`McConfig::partitions`]): the ids of its block of the raw id space, remapped into its
-/// block of rows.
-#[derive(Clone, Debug, PartialEq)]
-pub struct McPartition {
-    /// Its raw ids.
-    pub raw: std::ops::Range<u64>,
-    /// Its rows of the table (the module's row `r` is the table's row `rows.start + r`).
-    pub rows: std::ops::Range<u64>,
-    /// The module's settings: its rows, slots and raw id space.
-    pub config: McConfig,
-}
-
-/// Blocks of `ceil(n / parts)` (the last ones smaller, maybe empty): block `i` of `0..n`.
-fn block(n: u64, parts: u64, i: u64) -> std::ops::Range<u64> {
-    let b = n.div_ceil(parts).max(1);
-    (i * b).min(n)..((i + 1) * b).min(n)
-}
-
-impl McConfig {
-    /// The table's managed collisions split into `n` independent modules (TorchRec's one
-    /// module per row-wise shard): module `i` takes the raw ids of block `i` of
-    /// `ceil(input_hash_size / n)` ids and owns block `i` of `ceil(rows / n)` rows (the
-    /// row-wise shards' blocks), of which the last `ceil((rows - zch_size) / n)` (fewer in
-    /// the last blocks) are its residual rows; without residual rows it keeps its last row
-    /// for its untracked ids. `n = 1` is the table itself. `Err` says which module does not
-    /// fit.
-    pub fn partitions(&self, n: u64) -> Result<Vec<McPartition>, String> {
-        if n == 0 {
-            return Err("partitions must be at least 1".into());
-        }
-        let residual = self.rows.saturating_sub(self.zch_size);
-        (0..n)
-            .map(|i| {
-                let (raw, rows, res) =
-                    (block(self.input_hash_size, n, i), block(self.rows, n, i), block(residual, n, i));
-                if raw.is_empty() || rows.is_empty() {
-                    return Err(format!(
-                        "{n} partitions leave partition {i} without {} (input_hash_size {}, rows {})",
-                        if raw.is_empty() { "raw ids" } else { "rows" },
-                        self.input_hash_size,
-                        self.rows
-                    ));
-                }
-                let own = rows.end - rows.start;
-                let zch_size = own.saturating_sub(res.end - res.start);
-                let config = McConfig {
-                    rows: own,
-                    zch_size,
-                    input_hash_size: self.input_hash_size,
-                    policy: self.policy,
-                    eviction_interval: self.eviction_interval,
-                };
-                ManagedCollision::check(&config).map_err(|m| format!("partition {i} of {n} (rows {rows:?}): {m}"))?;
-                Ok(McPartition { raw, rows, config })
-            })
-            .collect()
-    }
-}
+pub use trainrec_types::mc::{McConfig, McEvictionPolicy, McPartition};
 
 /// What the module did so far and in the last window.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -358,7 +268,7 @@ pub struct McState {
 impl ManagedCollision {
     /// An empty module; `Err` names the setting that is out of range.
     pub fn new(config: McConfig) -> Result<Self, String> {
-        Self::check(&config)?;
+        config.check()?;
         let slots = Self::capacity_of(&config) as usize;
         let stats = McStats { capacity: slots as u64, ..McStats::default() };
         Ok(Self {
@@ -370,31 +280,6 @@ impl ManagedCollision {
             step: 0,
             stats,
         })
-    }
-
-    /// `Err` names the setting of `config` that is out of range.
-    fn check(config: &McConfig) -> Result<(), String> {
-        if config.zch_size == 0 || config.zch_size > config.rows {
-            return Err(format!("zch_size = {} must be in 1..={} (the table's rows)", config.zch_size, config.rows));
-        }
-        if config.zch_size == config.rows && config.rows < 2 {
-            return Err("a table of one row has no room for a tracked id next to the reserved row".into());
-        }
-        if config.input_hash_size == 0 {
-            return Err("input_hash_size must be at least 1".into());
-        }
-        if config.eviction_interval == 0 {
-            return Err("eviction_interval must be at least 1".into());
-        }
-        if config.rows > u64::from(u32::MAX) {
-            return Err(format!("{} rows: at most {} slots", config.rows, u32::MAX));
-        }
-        if let EvictionPolicy::Lru { decay_exponent } | EvictionPolicy::DistanceLfu { decay_exponent } = config.policy {
-            if !(decay_exponent.is_finite() && decay_exponent > 0.0) {
-                return Err(format!("decay_exponent = {decay_exponent} must be a positive number"));
-            }
-        }
-        Ok(())
     }
 
     fn capacity_of(c: &McConfig) -> u64 {
@@ -469,7 +354,7 @@ impl ManagedCollision {
         self.step += 1;
         let step = self.step;
         let evict_now = step.is_multiple_of(self.config.eviction_interval);
-        let recency = self.config.policy != EvictionPolicy::Lfu;
+        let recency = self.config.policy != McEvictionPolicy::Lfu;
         let mut fallbacks = 0u64;
         let mut lookups = 0u64;
         for ids in features.iter_mut() {
@@ -517,9 +402,9 @@ impl ManagedCollision {
     fn score(&self, count: u64, last: u64) -> f64 {
         let age = (self.step - last.min(self.step) + 1) as f64;
         match self.config.policy {
-            EvictionPolicy::Lfu => count as f64,
-            EvictionPolicy::Lru { decay_exponent } => -age.powf(decay_exponent),
-            EvictionPolicy::DistanceLfu { decay_exponent } => count as f64 / age.powf(decay_exponent),
+            McEvictionPolicy::Lfu => count as f64,
+            McEvictionPolicy::Lru => -age.powf(self.config.decay_exponent),
+            McEvictionPolicy::DistanceLfu => count as f64 / age.powf(self.config.decay_exponent),
         }
     }
 
@@ -622,12 +507,13 @@ impl ManagedCollision {
 mod tests {
     use super::*;
 
-    fn mc(rows: u64, zch: u64, policy: EvictionPolicy, interval: u64) -> ManagedCollision {
+    fn mc(rows: u64, zch: u64, policy: McEvictionPolicy, interval: u64) -> ManagedCollision {
         ManagedCollision::new(McConfig {
             rows,
             zch_size: zch,
             input_hash_size: 1000,
             policy,
+            decay_exponent: 1.0,
             eviction_interval: interval,
         })
         .unwrap()
@@ -646,7 +532,8 @@ mod tests {
             rows,
             zch_size: zch,
             input_hash_size: ihs,
-            policy: EvictionPolicy::Lfu,
+            policy: McEvictionPolicy::Lfu,
+            decay_exponent: 1.0,
             eviction_interval: 3,
         };
         let whole = c(40, 40, 200);
@@ -676,7 +563,7 @@ mod tests {
     #[test]
     fn lfu_tracks_the_most_frequent_ids_and_sends_the_rest_to_the_reserved_row() {
         // 4 rows: 3 slots, row 3 reserved.
-        let mut m = mc(4, 4, EvictionPolicy::Lfu, 2);
+        let mut m = mc(4, 4, McEvictionPolicy::Lfu, 2);
         // Window 1 (steps 1, 2): counts 7:3, 5:2, 9:2, 4:1.
         let (rows, reset) = step(&mut m, &[7, 5, 7, 9]);
         assert_eq!(rows, [3, 3, 3, 3], "nothing tracked before the first eviction");
@@ -708,7 +595,7 @@ mod tests {
 
     #[test]
     fn lru_keeps_the_most_recent_ids() {
-        let mut m = mc(3, 3, EvictionPolicy::Lru { decay_exponent: 1.0 }, 3);
+        let mut m = mc(3, 3, McEvictionPolicy::Lru, 3);
         // Steps 1..3: 1 at step 1, 2 at step 2, 3 at step 3 (twice), 1 again at step 2.
         step(&mut m, &[1]);
         step(&mut m, &[2, 1]);
@@ -728,7 +615,7 @@ mod tests {
 
     #[test]
     fn distance_lfu_divides_counts_by_age() {
-        let mut m = mc(3, 3, EvictionPolicy::DistanceLfu { decay_exponent: 1.0 }, 2);
+        let mut m = mc(3, 3, McEvictionPolicy::DistanceLfu, 2);
         // Window 1: 8 x4 at step 1, 6 x1 at step 2.
         step(&mut m, &[8, 8, 8, 8]);
         step(&mut m, &[6]);
@@ -747,7 +634,7 @@ mod tests {
     #[test]
     fn a_residual_part_hashes_untracked_ids_into_its_own_rows() {
         // 10 rows: 4 slots (rows 0..4), untracked ids hash into rows 4..10.
-        let mut m = mc(10, 4, EvictionPolicy::Lfu, 1);
+        let mut m = mc(10, 4, McEvictionPolicy::Lfu, 1);
         let (rows, reset) = step(&mut m, &[11, 12, 13, 14, 15, 11]);
         assert_eq!(reset, [0, 1, 2, 3]);
         assert_eq!(m.stats().capacity, 4);
@@ -790,12 +677,13 @@ mod tests {
             rows,
             zch_size: zch,
             input_hash_size: 100,
-            policy: EvictionPolicy::Lfu,
+            policy: McEvictionPolicy::Lfu,
+            decay_exponent: 1.0,
             eviction_interval: interval,
         };
         assert!(ManagedCollision::new(cfg(10, 11, 1)).unwrap_err().contains("zch_size = 11 must be in 1..=10"));
         assert!(ManagedCollision::new(cfg(10, 5, 0)).unwrap_err().contains("eviction_interval"));
-        let lru = McConfig { policy: EvictionPolicy::Lru { decay_exponent: 0.0 }, ..cfg(10, 5, 1) };
+        let lru = McConfig { policy: McEvictionPolicy::Lru, decay_exponent: 0.0, ..cfg(10, 5, 1) };
         assert!(ManagedCollision::new(lru).unwrap_err().contains("decay_exponent = 0"));
         let mut m = ManagedCollision::new(cfg(10, 10, 2)).unwrap();
         assert_eq!(m.check_ids(&[3, 99, 100, 7]), Err(100));

@@ -89,10 +89,10 @@ pub struct StepConstants {
     pub c2: f32,
 }
 
-impl SparseOptimizerConfig {
-    /// The constants of update `t` (1 for the first; FBGEMM's `iter`).
-    pub fn step_constants(&self, t: u64) -> StepConstants {
-        let s = Step::new(self, t);
+impl StepConstants {
+    /// The constants of `optimizer`'s update `t` (1 for the first; FBGEMM's `iter`).
+    pub fn of(optimizer: &SparseOptimizerConfig, t: u64) -> Self {
+        let s = Step::new(optimizer, t);
         let kind = match s.opt {
             Kind::Sgd => OptimizerKind::Sgd,
             Kind::Adagrad => OptimizerKind::Adagrad,
@@ -101,7 +101,7 @@ impl SparseOptimizerConfig {
             Kind::PartialRowwiseAdam => OptimizerKind::PartialRowwiseAdam,
             Kind::Lamb => OptimizerKind::Lamb,
         };
-        StepConstants {
+        Self {
             kind,
             lr: s.lr,
             eps: s.eps,

@@ -20,6 +20,16 @@ pub enum QuantPrecision {
     Int8,
 }
 
+impl trainrec_types::Word for QuantPrecision {
+    const WORDS: &'static [Self] = &[Self::Int8, Self::Fp16];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Int8 => "int8",
+            Self::Fp16 => "fp16",
+        }
+    }
+}
+
 impl QuantPrecision {
     /// Bytes of one `dim`-wide row.
     pub fn row_bytes(self, dim: usize) -> usize {

@@ -72,16 +72,11 @@ pub fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_em
 /// table in a file under `embedding.offload_dir`; one planned `key_value` keeps the same cache
 /// in front of a key-value store there of the rows written so far.
 pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> Vec<EmbeddingBagConfig> {
-    use trainrec_planner::ComputeKernel;
     let dir = recipe.embedding.offload_dir.clone().unwrap_or_else(|| recipe.output_dir().join("offload"));
     let mut tables = recipe_tables(recipe);
     for (c, t) in tables.iter_mut().zip(&recipe.tables) {
         let Some(tp) = plan.tables.iter().find(|p| p.name == c.name) else { continue };
-        let backing = match tp.compute_kernel {
-            ComputeKernel::FusedUvmCaching => trainrec_embedding::CacheBacking::Rows,
-            ComputeKernel::KeyValue => trainrec_embedding::CacheBacking::KeyValue,
-            _ => continue,
-        };
+        let Some(backing) = tp.compute_kernel.cache_backing() else { continue };
         // The plan records the load factor used; a pinned `plan.json` written before it did
         // has none and gets the same default the planner applies.
         let load_factor = tp.cache_load_factor.unwrap_or(trainrec_planner::defaults::UVM_CACHING_RATIO);

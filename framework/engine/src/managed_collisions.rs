@@ -21,9 +21,9 @@ use std::ops::Range;
 
 use trainrec_comm::{ProcessGroup, ProcessGroupExt};
 use trainrec_embedding::BatchContext;
-use trainrec_embedding::mc::{EvictionPolicy, ManagedCollision, McConfig, McState, McStats};
+use trainrec_embedding::mc::{ManagedCollision, McConfig, McState, McStats};
 use trainrec_planner::{Plan, ShardingType};
-use trainrec_recipe::{FeatureRef, McPolicy, Recipe};
+use trainrec_recipe::{FeatureRef, Recipe};
 use trainrec_sharding::{InputDist, ShardedEbc, TableSharding};
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -187,16 +187,12 @@ impl McTables {
         let mut tables = Vec::new();
         for t in &recipe.tables {
             let Some(mc) = &t.mc else { continue };
-            let policy = match mc.eviction_policy {
-                McPolicy::Lfu => EvictionPolicy::Lfu,
-                McPolicy::Lru => EvictionPolicy::Lru { decay_exponent: mc.decay_exponent },
-                McPolicy::DistanceLfu => EvictionPolicy::DistanceLfu { decay_exponent: mc.decay_exponent },
-            };
             let config = McConfig {
                 rows: t.rows,
                 zch_size: mc.zch_size.unwrap_or(t.rows),
                 input_hash_size: mc.input_hash_size,
-                policy,
+                policy: mc.eviction_policy,
+                decay_exponent: mc.decay_exponent,
                 eviction_interval: mc.eviction_interval,
             };
             let tp = plan.tables.iter().find(|p| p.name == t.name);

@@ -9,31 +9,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::{Metric, MetricError, MetricState, validate_batch};
 
-/// Which split a report is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Split {
-    /// Training batches.
-    Train,
-    /// The eval split.
-    Eval,
-}
-
-impl Split {
-    /// The name written in reports (`train`, `eval`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Train => "train",
-            Self::Eval => "eval",
-        }
-    }
-}
-
-impl fmt::Display for Split {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use trainrec_types::Split;
 
 /// Metric values at one step of one split: one line of `metrics.jsonl`.
 ///

@@ -4,7 +4,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn, nn::Module};
-use trainrec_recipe::Diagnostic;
+use trainrec_types::Diagnostic;
 
 use crate::mlp;
 use crate::{DenseModel, ModelError, ModelInputs};
@@ -134,7 +134,7 @@ impl crate::TypedModel for Dlrm {
 mod tests {
     use super::*;
     use crate::ModelFactory;
-    use trainrec_recipe::KeyPath;
+    use trainrec_types::KeyPath;
 
     fn inputs(dims: &[usize]) -> ModelInputs {
         ModelInputs {

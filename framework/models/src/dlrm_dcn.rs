@@ -9,7 +9,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn, nn::Module};
-use trainrec_recipe::Diagnostic;
+use trainrec_types::Diagnostic;
 
 use crate::mlp::{self, mlp};
 use crate::{DenseModel, ModelError, ModelInputs};
@@ -136,7 +136,7 @@ impl crate::TypedModel for DlrmDcn {
 mod tests {
     use super::*;
     use crate::ModelFactory;
-    use trainrec_recipe::KeyPath;
+    use trainrec_types::KeyPath;
 
     fn inputs(dims: &[usize], num_tasks: usize) -> ModelInputs {
         ModelInputs {

@@ -19,7 +19,7 @@ pub use optim::{DenseOptimizer, OptimStateError};
 pub use two_tower::{TwoTower, TwoTowerConfig, TwoTowerFactory};
 
 use tch::{Tensor, nn};
-use trainrec_recipe::{Diagnostic, KeyPath};
+use trainrec_types::{Diagnostic, KeyPath};
 
 /// Errors building or running a dense model.
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,7 @@
 //! Building blocks the models share: the MLP and the config checks every model needs.
 
 use tch::nn;
-use trainrec_recipe::{Diagnostic, KeyPath};
+use trainrec_types::{Diagnostic, KeyPath};
 
 use crate::ModelInputs;
 

@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 
 use tch::{Kind, Tensor, nn, nn::OptimizerConfig};
-use trainrec_recipe::DenseOptimizerConfig;
+use trainrec_types::DenseOptimizerConfig;
 
 /// State part: SGD's momentum buffer.
 const MOMENTUM_BUFFER: &str = "momentum_buffer";

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor, nn, nn::Module};
-use trainrec_recipe::{Diagnostic, FeatureRef};
+use trainrec_types::{Diagnostic, FeatureRef};
 
 use crate::mlp::{check_layer_sizes, mlp, model_key};
 use crate::{DenseModel, LossInput, ModelError, ModelInputs, Retrieval};
@@ -259,7 +259,7 @@ impl TwoTowerFactory {
                 if !names.contains(&f.as_str()) {
                     out.push(
                         Diagnostic::new(model.key(key).index(i), format!("no table looks up feature {f:?}"))
-                            .with_help(trainrec_recipe::suggest(f, "features", &names)),
+                            .with_help(trainrec_types::suggest(f, "features", &names)),
                     );
                 } else if let Some(other) = side_of.insert(f.as_str(), key) {
                     out.push(Diagnostic::new(
@@ -293,7 +293,7 @@ impl TwoTowerFactory {
         }
         if inputs.num_tasks != 1 {
             out.push(Diagnostic::new(
-                trainrec_recipe::KeyPath::root().key("tasks"),
+                trainrec_types::KeyPath::root().key("tasks"),
                 format!("the two-tower model trains one task (its positive pairs); this job has {}", inputs.num_tasks),
             ));
         }
@@ -317,8 +317,8 @@ impl crate::TypedModel for TwoTower {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use trainrec_recipe::KeyPath;
     use trainrec_sparse::KeyedJaggedTensor;
+    use trainrec_types::KeyPath;
 
     fn inputs() -> ModelInputs {
         ModelInputs {

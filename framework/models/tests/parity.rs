@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use tch::{Device, Tensor, nn};
 use trainrec_models::{DeepFmFactory, DlrmDcnFactory, ModelFactory, ModelInputs};
-use trainrec_recipe::KeyPath;
+use trainrec_types::KeyPath;
 
 const TOLERANCE: f64 = 1e-5;
 

@@ -62,24 +62,13 @@ impl TableInputs {
 
 /// Row-wise blocks: `ceil(rows / n)` rows each, the last ones shorter or empty.
 fn rw_sizes(rows: u64, n: usize, cols: u64) -> Vec<([u64; 2], [u64; 2])> {
-    let n = n.max(1);
-    let block = rows.div_ceil(n as u64).max(1);
-    let last_rank = rows / block;
-    let last_block = rows - block * last_rank;
-    let mut out = Vec::with_capacity(n);
-    let mut offset = 0;
-    for rank in 0..n as u64 {
-        let r = if rank < last_rank {
-            block
-        } else if rank == last_rank {
-            last_block
-        } else {
-            0
-        };
-        out.push(([r, cols], [offset, 0]));
-        offset += r;
-    }
-    out
+    let n = n.max(1) as u64;
+    (0..n)
+        .map(|rank| {
+            let b = trainrec_types::even_block(rows, n, rank);
+            ([b.end - b.start, cols], [b.start, 0])
+        })
+        .collect()
 }
 
 /// The column block of column-wise sharding: the smallest multiple of 4 at least

@@ -1,6 +1,29 @@
 //! Partitioners: place every shard of a proposal on a rank (TorchRec's `GreedyPerfPartitioner`
 //! and `MemoryBalancedPartitioner`).
-use crate::types::{ComputeKernel, PartitionBy, Perf, ShardingOption, ShardingType, Storage, Topology};
+use crate::types::{ComputeKernel, Perf, ShardingOption, ShardingType, Storage, Topology};
+
+/// Placement class of a sharding type (TorchRec's `PartitionByType`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PartitionBy {
+    /// Shards go to single devices (TW, CW).
+    Device,
+    /// All shards on the ranks of one host (TWRW, TWCW).
+    Host,
+    /// Shard `i` on rank `i` (RW, DP).
+    Uniform,
+    /// Row blocks over several hosts (grid).
+    MultiHost,
+}
+
+/// How the partitioner places a sharding type's shards.
+fn partition_by(t: ShardingType) -> PartitionBy {
+    match t {
+        ShardingType::TableWise | ShardingType::ColumnWise => PartitionBy::Device,
+        ShardingType::TableRowWise | ShardingType::TableColumnWise => PartitionBy::Host,
+        ShardingType::RowWise | ShardingType::DataParallel => PartitionBy::Uniform,
+        ShardingType::Grid => PartitionBy::MultiHost,
+    }
+}
 
 /// Which partitioner places the shards.
 #[derive(
@@ -290,14 +313,14 @@ pub(crate) fn greedy(
     let at = offsets(proposal);
     let mut assignment: Assignment = vec![0; at[proposal.len()]];
     for (i, o) in proposal.iter().enumerate() {
-        if o.sharding_type.partition_by() == PartitionBy::Uniform {
+        if partition_by(o.sharding_type) == PartitionBy::Uniform {
             let mut refs: Vec<&mut Device> = devices.iter_mut().collect();
             uniform(o, &mut refs, &mut assignment[at[i]..at[i + 1]])?;
             check(&devices, o.table)?;
         }
     }
     let mut order: Vec<usize> =
-        (0..proposal.len()).filter(|&i| proposal[i].sharding_type.partition_by() != PartitionBy::Uniform).collect();
+        (0..proposal.len()).filter(|&i| partition_by(proposal[i].sharding_type) != PartitionBy::Uniform).collect();
     match sort_by {
         SortBy::Storage => {
             let keys: Vec<Storage> = proposal.iter().map(|o| o.total_storage()).collect();
@@ -311,7 +334,7 @@ pub(crate) fn greedy(
     for i in order {
         let o = proposal[i];
         let out = &mut assignment[at[i]..at[i + 1]];
-        match o.sharding_type.partition_by() {
+        match partition_by(o.sharding_type) {
             PartitionBy::MultiHost => multi_host(o, &mut devices, group, out)?,
             PartitionBy::Host => cohost(o, &mut devices, group, out)?,
             PartitionBy::Device => {

@@ -31,6 +31,19 @@ pub enum ProposerKind {
     OffloadScaleup,
 }
 
+impl trainrec_types::Word for ProposerKind {
+    const WORDS: &'static [Self] = &[Self::Default, Self::Greedy, Self::Uniform, Self::Grid, Self::OffloadScaleup];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Default => "default",
+            Self::Greedy => "greedy",
+            Self::Uniform => "uniform",
+            Self::Grid => "grid",
+            Self::OffloadScaleup => "offload_scaleup",
+        }
+    }
+}
+
 fn sorted_by_score(options: &[ShardingOption], use_depth: bool) -> Vec<u32> {
     let scores: Vec<f64> =
         options.iter().map(|o| if use_depth { o.max_shard_perf() } else { o.sum_shard_perf() }).collect();

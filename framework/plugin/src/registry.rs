@@ -271,7 +271,7 @@ impl Registry {
             self.problems.push(format!(
                 "Registry::without: no {} \"{name}\" is registered; {}",
                 kind.name(),
-                trainrec_recipe::suggest(name, &format!("{}s", kind.name()), &names)
+                trainrec_types::suggest(name, &format!("{}s", kind.name()), &names)
             ));
         }
         self

@@ -6,7 +6,6 @@
 //! [`Recipe`]), [`check_semantics`] (cross-section rules), then the engine builds runtime
 //! objects from the typed recipe.
 
-pub mod diagnostic;
 pub mod load;
 pub mod plan;
 pub mod reference;
@@ -14,7 +13,8 @@ pub mod schema;
 pub mod validate;
 pub mod walk;
 
-pub use diagnostic::{Diagnostic, Diagnostics, KeyPath, Origin, Segment, did_you_mean, suggest};
 pub use load::{ENV_PREFIX, LoadOptions, LoadedRecipe, load, load_valid};
 pub use schema::*;
-pub use validate::{FeatureRef, check_plugin_section, check_semantics};
+pub use trainrec_types::FeatureRef;
+pub use trainrec_types::{Diagnostic, Diagnostics, KeyPath, Origin, Segment, did_you_mean, suggest};
+pub use validate::{check_plugin_section, check_semantics};

@@ -9,9 +9,9 @@ use figment::providers::{Env, Format, Toml};
 use figment::value::Value as FValue;
 use serde_json::Value;
 
-use crate::diagnostic::{Diagnostic, Diagnostics, KeyPath, Origin, Segment};
 use crate::schema::Recipe;
 use crate::walk;
+use trainrec_types::{Diagnostic, Diagnostics, KeyPath, Origin, Segment};
 
 /// Prefix of environment overrides: `TRAINREC_TRAIN__STEPS=100` sets `train.steps`.
 /// Only names with a `__` separator are read, so tool settings such as `TRAINREC_LOG` are not

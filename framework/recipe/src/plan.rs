@@ -1,10 +1,10 @@
 //! The planner's view of a recipe: tables with their constraints, the topology, the planner
 //! settings; and planner errors as diagnostics at the recipe key at fault.
-use trainrec_embedding::SparseOptimizerConfig;
 use trainrec_planner::{ComputeDevice, OptimizerState, PlanError, PlanInput, PlannerConfig, TableSpec, Topology};
+use trainrec_types::SparseOptimizerConfig;
 
-use crate::diagnostic::{Diagnostic, KeyPath};
 use crate::schema::Recipe;
+use trainrec_types::{Diagnostic, KeyPath};
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 

@@ -5,8 +5,9 @@
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use trainrec_embedding::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WeightPrecision};
 use trainrec_planner::{ComputeDevice, Constraints, CostModel, PartitionerKind, ProposerKind};
+use trainrec_types::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WeightPrecision};
+pub use trainrec_types::{DenseOptimizerConfig, McEvictionPolicy, PipelineKind};
 
 /// A whole training job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -82,20 +83,6 @@ impl PipelineSection {
     pub fn reads_ahead(&self) -> bool {
         self.kind != PipelineKind::Base
     }
-}
-
-/// A train pipeline.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum PipelineKind {
-    /// One batch at a time.
-    #[default]
-    Base,
-    /// Batch i+1's input dist runs while batch i trains.
-    SparseDist,
-    /// Batch i+1's input dist runs and its rows are prefetched into the table caches while
-    /// batch i trains.
-    PrefetchSparseDist,
 }
 
 /// `[topology]`: the ranks the embedding tables are sharded over, as the planner sees them.
@@ -359,7 +346,7 @@ pub struct ManagedCollisionSection {
     /// Which ids keep the slots: `lfu` (most frequent, counts accumulated over windows),
     /// `lru` (most recently seen) or `distance_lfu` (counts divided by a power of the age).
     #[serde(default)]
-    pub eviction_policy: McPolicy,
+    pub eviction_policy: McEvictionPolicy,
     /// Exponent of the age in the `lru` and `distance_lfu` scores. Default: 1.
     #[serde(default = "defaults::decay_exponent")]
     pub decay_exponent: f64,
@@ -377,19 +364,6 @@ pub struct ManagedCollisionSection {
     /// checkpoint's. Set it to train the same model on any number of ranks.
     #[serde(default)]
     pub partitions: Option<u64>,
-}
-
-/// A managed-collision eviction policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum McPolicy {
-    /// Least frequently used ids are evicted.
-    #[default]
-    Lfu,
-    /// Least recently used ids are evicted.
-    Lru,
-    /// Ids with the lowest count / age^decay_exponent are evicted.
-    DistanceLfu,
 }
 
 /// `[embedding]`: options of the embedding engine.
@@ -417,54 +391,6 @@ pub struct OptimizerSection {
     pub sparse: SparseOptimizerConfig,
     /// Optimizer of the dense model's parameters.
     pub dense: DenseOptimizerConfig,
-}
-
-/// The dense model's optimizer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum DenseOptimizerConfig {
-    /// Stochastic gradient descent.
-    Sgd {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum factor.
-        #[serde(default)]
-        momentum: f64,
-        /// L2 penalty added to the gradient.
-        #[serde(default)]
-        weight_decay: f64,
-    },
-    /// Adagrad.
-    Adagrad {
-        /// Learning rate.
-        lr: f64,
-        /// L2 penalty added to the gradient.
-        #[serde(default)]
-        weight_decay: f64,
-    },
-    /// Adam.
-    Adam {
-        /// Learning rate.
-        lr: f64,
-        /// Decay of the first-moment estimate.
-        #[serde(default = "defaults::beta1")]
-        beta1: f64,
-        /// Decay of the second-moment estimate.
-        #[serde(default = "defaults::beta2")]
-        beta2: f64,
-        /// L2 penalty added to the gradient.
-        #[serde(default)]
-        weight_decay: f64,
-    },
-}
-
-impl DenseOptimizerConfig {
-    /// The learning rate.
-    pub fn lr(&self) -> f64 {
-        match self {
-            Self::Sgd { lr, .. } | Self::Adagrad { lr, .. } | Self::Adam { lr, .. } => *lr,
-        }
-    }
 }
 
 /// `[train]`: how long to train and how often to evaluate.
@@ -652,14 +578,6 @@ pub mod defaults {
     /// Default `stochastic_rounding` (FBGEMM: `True`).
     pub fn stochastic_rounding() -> bool {
         true
-    }
-    /// Default Adam beta1.
-    pub fn beta1() -> f64 {
-        0.9
-    }
-    /// Default Adam beta2.
-    pub fn beta2() -> f64 {
-        0.999
     }
     /// Default `train.log_every`.
     pub fn log_every() -> u64 {

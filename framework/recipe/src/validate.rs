@@ -4,29 +4,9 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
-use crate::diagnostic::{Diagnostic, KeyPath, suggest};
 use crate::schema::{MetricSection, PluginSection, Recipe};
 use crate::walk;
-
-/// A sparse feature name as written in a table: `C1`, or `C1@t_big` when the feature feeds
-/// several tables.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FeatureRef<'a> {
-    /// The input feature (the sampler's key).
-    pub input: &'a str,
-    /// The table named after `@`, if any.
-    pub table: Option<&'a str>,
-}
-
-impl<'a> FeatureRef<'a> {
-    /// Splits `feature@table`.
-    pub fn parse(text: &'a str) -> Self {
-        match text.split_once('@') {
-            Some((input, table)) => Self { input, table: Some(table) },
-            None => Self { input: text, table: None },
-        }
-    }
-}
+use trainrec_types::{Diagnostic, FeatureRef, KeyPath, suggest};
 
 /// Checks a plugin section: `kind` must name one of `kinds`, and the rest must match that
 /// kind's config schema (given by `schema_of`).
@@ -197,11 +177,12 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         }
         positive_f64(&mut out, mp.key("decay_exponent"), mc.decay_exponent);
         if let Some(n) = mc.partitions {
-            let config = trainrec_embedding::mc::McConfig {
+            let config = trainrec_types::McConfig {
                 rows: table.rows,
                 zch_size: zch.clamp(1, table.rows),
                 input_hash_size: mc.input_hash_size.max(1),
-                policy: trainrec_embedding::mc::EvictionPolicy::Lfu,
+                policy: trainrec_types::McEvictionPolicy::Lfu,
+                decay_exponent: 1.0,
                 eviction_interval: 1,
             };
             if let Err(m) = config.partitions(n) {

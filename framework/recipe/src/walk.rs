@@ -4,7 +4,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::diagnostic::{Diagnostic, KeyPath, suggest};
+use trainrec_types::{Diagnostic, KeyPath, suggest};
 
 /// Checks `value` against `schema` (a schemars root schema with `$defs`), pushing one
 /// diagnostic per problem. Unknown keys are removed from `value`, so that a value whose only

@@ -36,14 +36,13 @@ impl TableSharding {
     /// Even row blocks over `ranks` (the last ones smaller), TorchRec's row-wise block size
     /// `ceil(rows / n)`; table-row-wise when `ranks` is one host's ranks.
     pub fn row_wise(rows: u64, dim: usize, ranks: &[usize]) -> Self {
-        let block = rows.div_ceil(ranks.len().max(1) as u64).max(1);
+        let parts = ranks.len() as u64;
         let shards = ranks
             .iter()
             .enumerate()
             .filter_map(|(i, &rank)| {
-                let start = (i as u64 * block).min(rows);
-                let end = ((i as u64 + 1) * block).min(rows);
-                (end > start).then_some(ShardSpec { rank, rows: start..end, cols: 0..dim })
+                let rows = trainrec_types::even_block(rows, parts, i as u64);
+                (!rows.is_empty()).then_some(ShardSpec { rank, rows, cols: 0..dim })
             })
             .collect();
         Self { sharding_type: ShardingType::RowWise, shards }

@@ -13,6 +13,7 @@ pub use trainrec_engine as engine;
 pub use trainrec_engine::{EngineError, Job, RunSummary};
 pub use trainrec_metrics as metrics;
 pub use trainrec_models as models;
+pub use trainrec_planner as planner;
 pub use trainrec_plugin as plugin;
 pub use trainrec_plugin::{
     MetricFactory, PluginKind, Registry, RegistryError, SamplerFactory, TypedMetric, TypedModel, TypedSampler,

@@ -24,15 +24,6 @@ impl Overrides {
     }
 }
 
-/// Inference table precisions of `trainrec eval --quantize`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum QuantizeArg {
-    /// 8-bit codes with an fp32 scale and bias per row.
-    Int8,
-    /// Half precision.
-    Fp16,
-}
-
 /// Why a command failed; its kind decides the exit code: 2 for what the user must fix before
 /// anything runs (the command line, a recipe, an input file), 1 for a failure while running.
 #[derive(Debug)]

@@ -7,7 +7,10 @@ use trainrec_engine::checkpoint::{Checkpoint, EVAL_KEYS, RESUMABLE_KEYS, changed
 use trainrec_engine::{EngineError, Registry};
 use trainrec_recipe::LoadOptions;
 
-use super::args::{CliError, QuantizeArg};
+use trainrec_embedding::quant::QuantPrecision;
+use trainrec_types::Word;
+
+use super::args::CliError;
 use super::run::{checkpoint_dir, load_checked};
 
 /// `trainrec eval`: the recipe's metrics for a run's checkpoint, on one process.
@@ -15,7 +18,7 @@ pub(crate) fn eval(
     registry: &Registry,
     run_dir: &Path,
     step: Option<u64>,
-    quantize: Option<QuantizeArg>,
+    quantize: Option<QuantPrecision>,
     json: bool,
     options: &LoadOptions,
 ) -> Result<(), CliError> {
@@ -46,15 +49,12 @@ pub(crate) fn eval(
         let mut job = trainrec_engine::Job::build(&loaded, &features, registry)?;
         job.load_checkpoint(&ck)?;
         if let Some(q) = quantize {
-            job.quantize(match q {
-                QuantizeArg::Int8 => trainrec_embedding::quant::QuantPrecision::Int8,
-                QuantizeArg::Fp16 => trainrec_embedding::quant::QuantPrecision::Fp16,
-            })?;
+            job.quantize(q)?;
         }
         job.evaluate()
     })()?;
     if json {
-        let q = quantize.map(|q| format!("{q:?}").to_lowercase());
+        let q = quantize.map(Word::name);
         println!("{}", serde_json::json!({ "step": ck.manifest.step, "quantize": q, "metrics": metrics }));
     } else {
         println!("{}", trainrec_metrics::render_table(&format!("eval of step {}", ck.manifest.step), &metrics));

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use trainrec_engine::Registry;
 
-pub use args::{CliError, Overrides, QuantizeArg};
+pub use args::{CliError, Overrides};
 pub use list::list;
 
 /// Train large recommendation models from a TOML recipe.
@@ -110,8 +110,8 @@ pub enum Command {
         #[arg(long)]
         step: Option<u64>,
         /// Quantize the tables for inference first.
-        #[arg(long, value_enum)]
-        quantize: Option<QuantizeArg>,
+        #[arg(long, value_parser = trainrec_types::cli::word::<trainrec_embedding::quant::QuantPrecision>())]
+        quantize: Option<trainrec_embedding::quant::QuantPrecision>,
         /// Print the metrics as one JSON line instead of a table.
         #[arg(long)]
         json: bool,
