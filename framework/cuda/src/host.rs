@@ -12,7 +12,7 @@ use crate::{CudaError, MAX_DIM};
 
 /// One table as the kernels address it.
 #[derive(Clone, Debug)]
-pub struct TableSpec {
+pub struct KernelTable {
     /// Table name.
     pub name: String,
     /// Rows.
@@ -53,7 +53,7 @@ pub struct OutputSpec {
 #[derive(Clone, Debug)]
 pub struct Layout {
     /// The tables.
-    pub tables: Vec<TableSpec>,
+    pub tables: Vec<KernelTable>,
     /// The outputs.
     pub outputs: Vec<OutputSpec>,
     /// Output floats per example.
@@ -80,7 +80,7 @@ impl Layout {
                 outputs.push(OutputSpec { name: f.clone(), input, table: t, column });
                 column += c.dim;
             }
-            tables.push(TableSpec {
+            tables.push(KernelTable {
                 name: c.name.clone(),
                 rows: c.rows,
                 dim: c.dim,
@@ -261,7 +261,7 @@ pub struct StepArgs {
 
 impl StepArgs {
     /// The arguments of table `spec`'s update number `iter` (1 for the first).
-    pub fn new(spec: &TableSpec, iter: u64) -> Self {
+    pub fn new(spec: &KernelTable, iter: u64) -> Self {
         let c = trainrec_embedding::StepConstants::of(&spec.optimizer, iter);
         let (opt, wd_mode) = opt_code(c.kind);
         let (stochastic, rng_key, table) = match spec.rounding {

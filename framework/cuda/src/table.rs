@@ -3,7 +3,7 @@
 
 use crate::CudaError;
 use crate::backend::{Arg, Backend, Buf, Kernel};
-use crate::host::{self, StoredWeights, TableSpec};
+use crate::host::{self, KernelTable, StoredWeights};
 use trainrec_embedding::{EmbeddingError, RowCache, SlotStore, WeightPrecision};
 
 pub(crate) enum Weights {
@@ -12,7 +12,7 @@ pub(crate) enum Weights {
 }
 
 pub(crate) struct DeviceTable {
-    pub(crate) spec: TableSpec,
+    pub(crate) spec: KernelTable,
     /// The table's rows, or a cached table's slots.
     pub(crate) weights: Weights,
     pub(crate) state: Buf<f32>,
