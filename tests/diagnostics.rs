@@ -41,3 +41,11 @@ fn every_problem_names_key_and_line() {
     }
     assert!(out.contains("3 problems found"), "{out}");
 }
+
+#[test]
+fn the_books_duplicate_key_example_is_the_golden_output() {
+    let golden = std::fs::read_to_string(workspace().join("tests/golden/diagnostics/duplicate_key.expected")).unwrap();
+    let example: String = golden.lines().take(4).map(|l| format!("{l}\n")).collect();
+    let book = std::fs::read_to_string(workspace().join("book/src/recipe.md")).unwrap();
+    assert!(book.contains(&example), "book/src/recipe.md must show the current output:\n{example}");
+}

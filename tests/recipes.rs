@@ -13,7 +13,23 @@ fn every_recipe_validates() {
     let registry = custom_trainrec::registry();
     let options = LoadOptions { overrides: vec![], env: false };
     let mut failures = Vec::new();
+    // Recipes that read the shared datasets validate only where those exist (validation checks
+    // that data files exist): a clone without `../shared` skips them, CI never does.
+    let have_shared = trainrec_tests::shared_data("").is_some();
     for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        if !have_shared && text.contains("shared/data/") {
+            eprintln!("skipping {}: it reads ../shared/data", f.display());
+            continue;
+        }
+        // A recipe whose Run line converts its data first is checked on that conversion.
+        let mut options = options.clone();
+        if text.contains("trainrec convert criteo-binary") {
+            let Some(tsv) = trainrec_tests::shared_data("criteo-kaggle-sample/train_examples.txt") else { continue };
+            let dir = std::env::temp_dir().join(format!("trainrec-sweep-npy-{}", std::process::id()));
+            trainrec::data::criteo_binary::convert_tsv(&tsv, &dir, "train").expect("the sample converts");
+            options.overrides.push(format!("data.sampler.dir=\"{}\"", dir.display()));
+        }
         if let Err(d) = load_and_check(f, &options, &registry) {
             failures.push(format!("{}:\n{d}", f.display()));
         }

@@ -135,11 +135,18 @@ impl CriteoTsvSampler {
     }
 
     /// Builds the sampler (checks the file can be opened).
-    pub fn build(config: CriteoTsvConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+    /// Checks the config without reading data: the fractions and workers in range, the file
+    /// present (relative to `base_dir`); returns the file's path.
+    pub fn check(config: &CriteoTsvConfig, base_dir: &std::path::Path) -> Result<std::path::PathBuf, DataError> {
         stream::check_fraction("eval_fraction", config.eval_fraction)?;
         stream::check_workers(config.num_workers)?;
+        stream::existing_file(base_dir, &config.path, "path")
+    }
+
+    /// Builds the sampler.
+    pub fn build(config: CriteoTsvConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        let path = Self::check(&config, &ctx.base_dir)?;
         let shard = Shard::of(ctx)?;
-        let path = ctx.base_dir.join(&config.path);
         File::open(&path).map_err(|source| DataError::Io { path: path.clone(), source })?;
         let schema = Self::feature_schema(&config);
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;

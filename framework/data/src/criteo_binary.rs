@@ -501,16 +501,35 @@ impl CriteoBinarySampler {
 
     /// Builds the sampler: checks every file's header and shape, and counts categorical values
     /// for `frequency_threshold`.
-    pub fn build(config: CriteoBinaryConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+    /// Checks the config without reading rows: values in range, every prefix's three files
+    /// present (relative to `base_dir`) with the shapes of their headers. Returns the workers,
+    /// the eval fraction, and the train and eval parts.
+    #[allow(clippy::type_complexity)]
+    fn checked(
+        config: &CriteoBinaryConfig,
+        base_dir: &Path,
+    ) -> Result<(usize, Option<f64>, Vec<Part>, Vec<Part>), DataError> {
         let num_workers = stream::check_workers(config.num_workers)?;
-        let shard = Shard::of(ctx)?;
         let eval_fraction = stream::eval_fraction(config.eval_fraction, !config.eval.is_empty(), "eval (eval files)")?;
         if config.train.is_empty() {
             return Err(DataError::config("train", "name at least one training file prefix"));
         }
-        let dir = ctx.base_dir.join(&config.dir);
+        let dir = base_dir.join(&config.dir);
         let train = parts(&dir, &config.train, "train")?;
         let eval = parts(&dir, &config.eval, "eval")?;
+        Ok((num_workers, eval_fraction, train, eval))
+    }
+
+    /// Checks the config without reading rows (see `checked`): values in range, the files
+    /// present with the right header shapes.
+    pub fn check(config: &CriteoBinaryConfig, base_dir: &Path) -> Result<(), DataError> {
+        Self::checked(config, base_dir).map(drop)
+    }
+
+    /// Builds the sampler (counting frequencies first with `frequency_threshold`).
+    pub fn build(config: CriteoBinaryConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        let (num_workers, eval_fraction, train, eval) = Self::checked(&config, &ctx.base_dir)?;
+        let shard = Shard::of(ctx)?;
         let schema = Self::feature_schema(&config);
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
         let mut inner = Inner {

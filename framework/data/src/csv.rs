@@ -316,11 +316,20 @@ impl CsvSampler {
         column_keys!(config).feature_schema()
     }
 
-    /// Builds the sampler: expands the paths, reads each file's header and checks every
-    /// configured column against it.
-    pub fn build(config: CsvConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+    /// Checks the config without reading data: values in range, the files present (relative
+    /// to `base_dir`, patterns and directories expanded).
+    pub fn check(config: &CsvConfig, base_dir: &std::path::Path) -> Result<(), DataError> {
+        Self::checked(config, base_dir).map(drop)
+    }
+
+    /// [`Self::check`], returning the delimiter, the label columns, the eval fraction, and
+    /// the train and eval files.
+    #[allow(clippy::type_complexity)]
+    fn checked(
+        config: &CsvConfig,
+        base_dir: &std::path::Path,
+    ) -> Result<(u8, Vec<String>, Option<f64>, Vec<PathBuf>, Vec<PathBuf>), DataError> {
         stream::check_workers(config.num_workers)?;
-        let shard = Shard::of(ctx)?;
         let delimiter = match config.delimiter.as_bytes() {
             [b] if b.is_ascii() && !matches!(b, b'"' | b'\n' | b'\r') => *b,
             _ => {
@@ -378,10 +387,18 @@ impl CsvSampler {
                 return Err(DataError::config("columns", format!("column {dup:?} is listed twice")));
             }
         }
+        let train_files = expand(base_dir, &paths, path_key, EXTENSIONS)?;
+        let eval_files = expand(base_dir, &config.eval_paths, "eval_paths", EXTENSIONS)?;
+        Ok((delimiter, label_names, eval_fraction, train_files, eval_files))
+    }
+
+    /// Builds the sampler: expands the paths, reads each file's header and checks every
+    /// configured column against it.
+    pub fn build(config: CsvConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        let (delimiter, label_names, eval_fraction, train_files, eval_files) = Self::checked(&config, &ctx.base_dir)?;
+        let shard = Shard::of(ctx)?;
         let schema = Self::feature_schema(&config);
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
-        let train_files = expand(&ctx.base_dir, &paths, path_key, EXTENSIONS)?;
-        let eval_files = expand(&ctx.base_dir, &config.eval_paths, "eval_paths", EXTENSIONS)?;
         let train = plan(&train_files, &config, delimiter)?;
         let eval = plan(&eval_files, &config, delimiter)?;
         let sparse: Vec<(String, String)> = config.sparse.iter().map(|(f, c)| (f.clone(), c.clone())).collect();

@@ -256,9 +256,11 @@ impl MovieLensSampler {
     }
 
     /// Builds the sampler: reads and splits the whole file.
-    pub fn build(config: MovieLensConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+    /// Checks the config without reading data: values in range, the ratings file or
+    /// directory present (relative to `base_dir`).
+    pub fn check(config: &MovieLensConfig, base_dir: &std::path::Path) -> Result<(), DataError> {
         stream::check_fraction("eval_fraction", config.eval_fraction)?;
-        let workers = stream::check_workers(config.num_workers)?;
+        stream::check_workers(config.num_workers)?;
         if !(config.max_rating.is_finite() && config.max_rating > 0.0) {
             return Err(DataError::config(
                 "max_rating",
@@ -271,6 +273,13 @@ impl MovieLensSampler {
                 format!("threshold must be a number, found {}", config.threshold),
             ));
         }
+        stream::existing_path(base_dir, &config.path, "path").map(drop)
+    }
+
+    /// Builds the sampler: reads the ratings.
+    pub fn build(config: MovieLensConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        Self::check(&config, &ctx.base_dir)?;
+        let workers = stream::check_workers(config.num_workers)?;
         let shard = Shard::of(ctx)?;
         let schema = Self::feature_schema(&config);
         let rows = [ctx.rows("user_id")?, ctx.rows("item_id")?];

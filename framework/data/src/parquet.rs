@@ -334,17 +334,32 @@ impl ParquetSampler {
 
     /// Builds the sampler: expands the paths and checks every configured column against every
     /// file's schema.
-    pub fn build(config: ParquetConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+    /// Checks the config without reading data: values in range, the files present (relative
+    /// to `base_dir`, patterns and directories expanded). Returns the label columns, the
+    /// eval fraction, and the train and eval files.
+    #[allow(clippy::type_complexity)]
+    pub fn check(
+        config: &ParquetConfig,
+        base_dir: &std::path::Path,
+    ) -> Result<(Vec<String>, Option<f64>, Vec<std::path::PathBuf>, Vec<std::path::PathBuf>), DataError> {
         stream::check_workers(config.num_workers)?;
-        let shard = Shard::of(ctx)?;
         if config.paths.is_empty() {
             return Err(DataError::config("paths", "name at least one Parquet file, pattern or directory"));
         }
         let (label_names, eval_fraction) = column_keys!(config).check()?;
+        let train = expand(base_dir, &config.paths, "paths", &["parquet"])?;
+        let eval = expand(base_dir, &config.eval_paths, "eval_paths", &["parquet"])?;
+        Ok((label_names, eval_fraction, train, eval))
+    }
+
+    /// Builds the sampler: reads the files' footers.
+    pub fn build(config: ParquetConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        let (label_names, eval_fraction, train, eval) = Self::check(&config, &ctx.base_dir)?;
+        let shard = Shard::of(ctx)?;
         let schema = Self::feature_schema(&config);
         let rows = schema.sparse.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
-        let train = plan(&expand(&ctx.base_dir, &config.paths, "paths", &["parquet"])?, &config)?;
-        let eval = plan(&expand(&ctx.base_dir, &config.eval_paths, "eval_paths", &["parquet"])?, &config)?;
+        let train = plan(&train, &config)?;
+        let eval = plan(&eval, &config)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 config,

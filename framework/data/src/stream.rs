@@ -546,6 +546,27 @@ pub fn is_eval_row(seed: u64, number: u64, eval_fraction: f64) -> bool {
 }
 
 /// Checks an `eval_fraction` config value (`key` names it).
+/// `path` (relative to `base`) as a file that exists, or a config error naming `key`.
+pub fn existing_file(base: &Path, path: &str, key: &str) -> Result<PathBuf, DataError> {
+    let full = base.join(path);
+    if full.is_file() {
+        return Ok(full);
+    }
+    let what = if full.is_dir() { "is a directory, not a file" } else { "does not exist" };
+    Err(DataError::config(key, format!("{} {what}", full.display())))
+}
+
+/// `path` (relative to `base`) as a path that exists (a file or a directory), or a config
+/// error naming `key`.
+pub fn existing_path(base: &Path, path: &str, key: &str) -> Result<PathBuf, DataError> {
+    let full = base.join(path);
+    if full.exists() {
+        return Ok(full);
+    }
+    Err(DataError::config(key, format!("{} does not exist", full.display())))
+}
+
+/// `value` as a fraction in `[0, 1)`, or a config error naming `key`.
 pub fn check_fraction(key: &str, value: f64) -> Result<f64, DataError> {
     if !(0.0..1.0).contains(&value) {
         return Err(DataError::config(key, format!("{key} must be in [0, 1), found {value}")));

@@ -241,8 +241,8 @@ impl SyntheticSampler {
         }
     }
 
-    /// Builds the sampler; every sparse feature needs a row count in `ctx`.
-    pub fn build(config: SyntheticConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+    /// Checks the config: every value in range (the sampler reads no files).
+    pub fn check(config: &SyntheticConfig, _base_dir: &std::path::Path) -> Result<(), DataError> {
         let bad = |key: &str, message: String| DataError::Config { key: key.into(), message };
         if config.pooling_factor == 0 {
             return Err(bad("pooling_factor", "pooling_factor must be at least 1".into()));
@@ -267,6 +267,12 @@ impl SyntheticSampler {
         if config.train_samples == 0 || config.eval_samples == 0 {
             return Err(bad("train_samples", "train_samples and eval_samples must be positive".into()));
         }
+        BagLengths::of(config).map(drop)
+    }
+
+    /// Builds the sampler; every sparse feature needs a row count in `ctx`.
+    pub fn build(config: SyntheticConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        Self::check(&config, &ctx.base_dir)?;
         let lengths = BagLengths::of(&config)?;
         let rows = config.sparse_features.iter().map(|f| ctx.rows(f)).collect::<Result<Vec<_>, _>>()?;
         let mut world = StdRng::seed_from_u64(hash_words(&[ctx.seed, 0x5EED]));

@@ -36,7 +36,10 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     });
     let features = match (sampler_problems.is_empty(), recipe.data.sampler.kind().and_then(|k| registry.sampler_for(k)))
     {
-        (true, Some(factory)) => match factory.feature_schema(&recipe.data.sampler.config()) {
+        (true, Some(factory)) => match factory
+            .check(&recipe.data.sampler.config(), &loaded.base_dir)
+            .and_then(|()| factory.feature_schema(&recipe.data.sampler.config()))
+        {
             Ok(f) => Some(f),
             Err(e) => {
                 problems.extend(

@@ -166,18 +166,27 @@ pub(crate) fn expand_vbe(kjt: &mut trainrec_sparse::KeyedJaggedTensor) -> Result
 /// activations' share).
 const DENSE_PARAMETER_MULTIPLIER: u64 = 6;
 
-/// Bytes the dense model needs per rank: its parameter bytes × 6, counted by building it on
-/// a scratch variable store. 0 when the model cannot be built (validation reports why).
+/// Bytes the dense model needs per rank: its fp32 parameter bytes × 6, counted without
+/// building it (`ModelFactory::parameters`), or for a model that cannot count them, by
+/// building it on a scratch variable store. 0 when the model cannot be built (validation
+/// reports why).
 pub fn dense_bytes(recipe: &Recipe, features: &FeatureSchema, registry: &Registry) -> u64 {
     let Some(factory) = recipe.model.kind().and_then(|k| registry.model_for(k)) else { return 0 };
     let (sparse, sparse_dim_keys) = sparse_outputs(recipe);
     let num_tasks = if recipe.tasks.is_empty() { features.labels.len() } else { recipe.tasks.len() };
     let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
+    if let Some(n) = factory.parameters(&recipe.model.config(), &inputs) {
+        let bytes = n.saturating_mul(4 * u128::from(DENSE_PARAMETER_MULTIPLIER));
+        return u64::try_from(bytes).unwrap_or(u64::MAX);
+    }
     let vs = nn::VarStore::new(Device::Cpu);
     // Under the generator's lock: the scratch init's draws must not land inside another
-    // thread's seeded model build.
-    let built = with_torch_seed(0, || tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs)));
-    if built.is_err() {
+    // thread's seeded model build. libtorch's failures (an allocation no machine can make)
+    // surface as panics of its bindings: they mean "cannot be built" here too.
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        with_torch_seed(0, || tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs)))
+    }));
+    if !matches!(built, Ok(Ok(_))) {
         return 0;
     }
     dense_bytes_of(&vs)

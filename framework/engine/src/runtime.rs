@@ -8,7 +8,11 @@ pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Sets libtorch's and the embedding kernels' thread counts.
 pub fn configure_threads(threads: Option<usize>) -> usize {
-    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // `run.threads` out of range is a recipe error that validation reports; until then (this
+    // runs before the recipe is checked), it must not reach libtorch, which aborts on it.
+    let n = threads
+        .filter(|n| (1..=trainrec_recipe::MAX_THREADS).contains(n))
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     tch::set_num_threads(n as i32);
     // libtorch accepts the inter-op pool size once per process, before any parallel work.
     static INTEROP: std::sync::Once = std::sync::Once::new();

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn, nn::Module};
 use trainrec_types::Diagnostic;
 
-use crate::mlp::{self, mlp};
+use crate::mlp::{self, mlp, mlp_parameters};
 use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DeepFM as TorchRec's `SimpleDeepFMNN`: a factorization machine and a deep MLP over the
@@ -121,6 +121,16 @@ impl crate::TypedModel for DeepFm {
     fn build(vs: &nn::Path, cfg: &DeepFmConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
         let dim = inputs.sparse.first().map_or(0, |(_, d)| *d);
         Ok(DeepFm::new(vs, cfg, inputs.num_dense, inputs.sparse.len(), dim, inputs.num_tasks))
+    }
+    fn parameters(cfg: &DeepFmConfig, inputs: &ModelInputs) -> Option<u128> {
+        let dim = inputs.sparse.first().map_or(0, |(_, d)| *d);
+        let deep_in = (inputs.sparse.len() + 1) * dim;
+        let over_in = dim + cfg.deep_fm_dimension + 1;
+        Some(
+            mlp_parameters(inputs.num_dense, &[cfg.hidden_layer_size, dim])
+                + mlp_parameters(deep_in, &[cfg.deep_fm_dimension])
+                + mlp_parameters(over_in, &[inputs.num_tasks]),
+        )
     }
 }
 

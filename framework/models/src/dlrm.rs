@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn, nn::Module};
 use trainrec_types::Diagnostic;
 
-use crate::mlp;
+use crate::mlp::{self, mlp_parameters};
 use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DLRM as TorchRec builds it: a dense-arch MLP, pairwise dot interactions with every pooled
@@ -127,6 +127,12 @@ impl crate::TypedModel for Dlrm {
 
     fn build(vs: &nn::Path, cfg: &DlrmConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
         Ok(Dlrm::new(vs, cfg, inputs.num_dense, inputs.sparse.len()))
+    }
+    fn parameters(cfg: &DlrmConfig, inputs: &ModelInputs) -> Option<u128> {
+        let dim = *cfg.dense_arch.last().unwrap_or(&0);
+        let n = inputs.sparse.len() + 1;
+        let over_in = dim + n * (n - 1) / 2;
+        Some(mlp_parameters(inputs.num_dense, &cfg.dense_arch) + mlp_parameters(over_in, &cfg.over_arch))
     }
 }
 

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn, nn::Module};
 use trainrec_types::Diagnostic;
 
-use crate::mlp::{self, mlp};
+use crate::mlp::{self, mlp, mlp_parameters};
 use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DLRM with a DCN-v2 low-rank cross network (TorchRec's `DLRM_DCN`) in place of the dot
@@ -129,6 +129,13 @@ impl crate::TypedModel for DlrmDcn {
 
     fn build(vs: &nn::Path, cfg: &DlrmDcnConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
         Ok(DlrmDcn::new(vs, cfg, inputs.num_dense, inputs.sparse.len()))
+    }
+    fn parameters(cfg: &DlrmDcnConfig, inputs: &ModelInputs) -> Option<u128> {
+        let dim = cfg.dense_arch.last().copied().unwrap_or(0);
+        let width = ((inputs.sparse.len() + 1) * dim) as u128;
+        // Per cross layer: W [N, r], V [r, N], b [N].
+        let cross = cfg.dcn_num_layers as u128 * (2 * width * cfg.dcn_low_rank_dim as u128 + width);
+        Some(mlp_parameters(inputs.num_dense, &cfg.dense_arch) + cross + mlp_parameters(width as usize, &cfg.over_arch))
     }
 }
 

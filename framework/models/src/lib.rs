@@ -109,6 +109,13 @@ pub trait TypedModel: DenseModel + Sized + 'static {
     }
     /// Builds the parameters under `vs`; `config` has passed [`TypedModel::check`].
     fn build(vs: &nn::Path, config: &Self::Config, inputs: &ModelInputs) -> Result<Self, ModelError>;
+    /// The number of (fp32) parameters [`TypedModel::build`] creates, counted without building
+    /// them (validation and the planner measure the model this way, so a model too large for
+    /// any machine is reported instead of allocated). `None`: not known without building (the
+    /// default; the model is then built on a scratch store to count).
+    fn parameters(_config: &Self::Config, _inputs: &ModelInputs) -> Option<u128> {
+        None
+    }
 }
 
 /// The [`ModelFactory`] of a [`TypedModel`].
@@ -158,6 +165,10 @@ impl<M: TypedModel> ModelFactory for TypedModelFactory<M> {
         }
         Ok(Box::new(M::build(vs, &config, inputs)?))
     }
+    fn parameters(&self, config: &serde_json::Value, inputs: &ModelInputs) -> Option<u128> {
+        let config = Self::parse(config).ok()?;
+        M::check(&config, inputs).is_empty().then(|| M::parameters(&config, inputs)).flatten()
+    }
 }
 
 /// Builds a dense model from its recipe section (`[model]`, `kind` removed).
@@ -176,4 +187,9 @@ pub trait ModelFactory: Send + Sync {
         config: &serde_json::Value,
         inputs: &ModelInputs,
     ) -> Result<Box<dyn DenseModel>, ModelError>;
+    /// The number of fp32 parameters [`ModelFactory::build`] creates, counted without building
+    /// them; `None` when it is not known without building (see [`TypedModel::parameters`]).
+    fn parameters(&self, _config: &serde_json::Value, _inputs: &ModelInputs) -> Option<u128> {
+        None
+    }
 }

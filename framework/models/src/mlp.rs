@@ -21,6 +21,17 @@ pub(crate) fn mlp(vs: &nn::Path, input: usize, sizes: &[usize], relu_last: bool)
     seq
 }
 
+/// Parameters of [`mlp`]`(_, input, sizes, _)`: each layer's weights and bias.
+pub(crate) fn mlp_parameters(input: usize, sizes: &[usize]) -> u128 {
+    let mut prev = input as u128;
+    let mut total = 0u128;
+    for &size in sizes {
+        total += prev * size as u128 + size as u128;
+        prev = size as u128;
+    }
+    total
+}
+
 /// The `[model]` table's path.
 pub(crate) fn model_key() -> KeyPath {
     KeyPath::root().key("model")

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor, nn, nn::Module};
 use trainrec_types::{Diagnostic, FeatureRef};
 
-use crate::mlp::{check_layer_sizes, mlp, model_key};
+use crate::mlp::{check_layer_sizes, mlp, mlp_parameters, model_key};
 use crate::{DenseModel, LossInput, ModelError, ModelInputs, Retrieval};
 
 /// Two-tower retrieval: query and candidate towers over their own features, dot-product
@@ -311,6 +311,15 @@ impl crate::TypedModel for TwoTower {
 
     fn build(vs: &nn::Path, cfg: &TwoTowerConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
         Ok(TwoTower::new(vs, cfg, inputs))
+    }
+    fn parameters(cfg: &TwoTowerConfig, inputs: &ModelInputs) -> Option<u128> {
+        let width = |names: &[String]| -> usize {
+            names.iter().filter_map(|n| inputs.sparse.iter().find(|(s, _)| s == n)).map(|(_, d)| d).sum()
+        };
+        Some(
+            mlp_parameters(width(&cfg.query_features), &cfg.query_tower)
+                + mlp_parameters(width(&cfg.candidate_features), &cfg.candidate_tower),
+        )
     }
 }
 

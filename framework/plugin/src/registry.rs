@@ -24,6 +24,11 @@ pub trait SamplerFactory: Send + Sync {
     fn config_schema(&self) -> Value;
     /// The features the sampler will produce, known before any file is opened.
     fn feature_schema(&self, config: &Value) -> Result<FeatureSchema, DataError>;
+    /// Checks the config without reading data (`trainrec validate` runs it): values in
+    /// range, the files it names present (relative paths resolve against `base_dir`).
+    fn check(&self, _config: &Value, _base_dir: &std::path::Path) -> Result<(), DataError> {
+        Ok(())
+    }
     /// Builds the sampler.
     fn build(&self, config: &Value, ctx: &SamplerContext) -> Result<Box<dyn Sampler>, DataError>;
 }
@@ -37,6 +42,12 @@ pub trait TypedSampler: Sampler + Sized + 'static {
     const KIND: &'static str;
     /// The features a config produces.
     fn features(config: &Self::Config) -> FeatureSchema;
+    /// The config's problems that need no data (`trainrec validate` reports them before any
+    /// data is read): values out of range, files that do not exist (relative paths resolve
+    /// against `base_dir`). `build` must reject at least these. The default finds none.
+    fn check(_config: &Self::Config, _base_dir: &std::path::Path) -> Result<(), DataError> {
+        Ok(())
+    }
     /// Builds the sampler.
     fn build(config: Self::Config, ctx: &SamplerContext) -> Result<Self, DataError>;
 }
@@ -67,6 +78,9 @@ impl<S: TypedSampler> SamplerFactory for Typed<S> {
     }
     fn feature_schema(&self, config: &Value) -> Result<FeatureSchema, DataError> {
         Ok(S::features(&parse::<S::Config>(config)?))
+    }
+    fn check(&self, config: &Value, base_dir: &std::path::Path) -> Result<(), DataError> {
+        S::check(&parse::<S::Config>(config)?, base_dir)
     }
     fn build(&self, config: &Value, ctx: &SamplerContext) -> Result<Box<dyn Sampler>, DataError> {
         Ok(Box::new(S::build(parse(config)?, ctx)?))
@@ -347,6 +361,9 @@ macro_rules! builtin_samplers {
             const KIND: &'static str = $kind;
             fn features(config: &Self::Config) -> FeatureSchema {
                 Self::feature_schema(config)
+            }
+            fn check(config: &Self::Config, base_dir: &std::path::Path) -> Result<(), DataError> {
+                trainrec_data::$sampler::check(config, base_dir).map(drop)
             }
             fn build(config: Self::Config, ctx: &SamplerContext) -> Result<Self, DataError> {
                 trainrec_data::$sampler::build(config, ctx)

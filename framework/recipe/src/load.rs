@@ -87,6 +87,50 @@ fn file_diag(path: &Path, text: Option<&str>, offset: usize, message: String) ->
     }
 }
 
+/// The key path a duplicate-key error at `offset` points at, and whether it is a key or a
+/// table: a table header on that line, or the dotted key before its `=` under the last table
+/// header above it (`[[x]]` headers counted into an index).
+fn duplicate_key(text: &str, offset: usize) -> Option<(KeyPath, &'static str)> {
+    let offset = offset.min(text.len());
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[start..].lines().next().unwrap_or("").trim();
+    let header = |l: &str| -> Option<(Vec<String>, bool)> {
+        let l = l.split('#').next().unwrap_or("").trim();
+        let (inner, array) = if let Some(x) = l.strip_prefix("[[").and_then(|x| x.strip_suffix("]]")) {
+            (x, true)
+        } else {
+            (l.strip_prefix('[')?.strip_suffix(']')?, false)
+        };
+        Some((dotted(inner), array))
+    };
+    if let Some((parts, _)) = header(line) {
+        return Some((KeyPath(parts.into_iter().map(Segment::Key).collect()), "table"));
+    }
+    let (key, _) = line.split_once('=')?;
+    // The enclosing table: the last header above, with arrays of tables indexed by how many
+    // of their headers came before.
+    let mut path = KeyPath::root();
+    let above: Vec<&str> = text[..start].lines().collect();
+    if let Some((i, (parts, array))) = above.iter().enumerate().rev().find_map(|(i, l)| Some((i, header(l.trim())?))) {
+        for p in &parts {
+            path = path.key(p);
+        }
+        if array {
+            let count = above[..=i].iter().filter(|l| header(l.trim()).is_some_and(|(q, a)| a && q == parts)).count();
+            path = path.index(count - 1);
+        }
+    }
+    for p in dotted(key) {
+        path = path.key(&p);
+    }
+    Some((path, "key"))
+}
+
+/// The parts of a dotted TOML key, unquoted.
+fn dotted(key: &str) -> Vec<String> {
+    key.split('.').map(|p| p.trim().trim_matches('"').trim_matches('\'').to_string()).collect()
+}
+
 /// 1-based line and column of a byte offset.
 pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let offset = offset.min(text.len());
@@ -125,8 +169,17 @@ fn read_chain(path: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
             Ok(doc) => doc,
             Err(e) => {
                 let offset = e.span().map_or(0, |s| s.start);
-                let message = format!("invalid TOML: {}", e.message());
-                return Err(Diagnostics(vec![file_diag(&file, Some(&text), offset, message)]));
+                let mut d = file_diag(&file, Some(&text), offset, format!("invalid TOML: {}", e.message()));
+                // A duplicate names no key: say which key or table is written twice.
+                if e.message().trim_end().ends_with("duplicate key") {
+                    if let Some((key, what)) = duplicate_key(&text, offset) {
+                        d.message = format!("invalid TOML: {what} `{key}` is written twice");
+                        d.help =
+                            Some("keep one of them (a later line does not override an earlier one in TOML)".into());
+                        d.key = key;
+                    }
+                }
+                return Err(Diagnostics(vec![d]));
             }
         };
         if let Some(item) = doc.as_table().get("extends") {

@@ -235,6 +235,9 @@ impl TaskSection {
     }
 }
 
+/// The most threads `run.threads` may ask for (more than any machine has cores).
+pub const MAX_THREADS: usize = 1024;
+
 /// `[run]`: identity of the run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -249,7 +252,8 @@ pub struct RunSection {
     /// Default: `runs/<name>`.
     #[serde(default)]
     pub output_dir: Option<String>,
-    /// Threads for dense compute (libtorch) and embedding kernels. Default: all cores.
+    /// Threads for dense compute (libtorch) and embedding kernels, 1 to 1024. Default: all
+    /// cores.
     #[serde(default)]
     pub threads: Option<usize>,
 }

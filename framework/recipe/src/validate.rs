@@ -60,11 +60,16 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                 .with_help("use a non-empty name without path separators (set run.output_dir for a path)"),
         );
     }
-    if recipe.run.threads == Some(0) {
-        out.push(
+    match recipe.run.threads {
+        Some(0) => out.push(
             Diagnostic::new(run.key("threads"), "threads must be at least 1")
                 .with_help("leave it out to use all cores"),
-        );
+        ),
+        Some(n) if n > crate::MAX_THREADS => out.push(
+            Diagnostic::new(run.key("threads"), format!("threads = {n}: at most {} threads", crate::MAX_THREADS))
+                .with_help("leave it out to use all cores"),
+        ),
+        _ => {}
     }
 
     let data = root.key("data");

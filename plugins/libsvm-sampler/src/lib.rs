@@ -109,10 +109,19 @@ impl TypedSampler for LibSvmSampler {
         }
     }
 
-    fn build(config: LibSvmConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+    fn check(config: &LibSvmConfig, base_dir: &std::path::Path) -> Result<(), DataError> {
         if !(0.0..1.0).contains(&config.eval_fraction) || config.eval_fraction == 0.0 {
             return Err(config_error("eval_fraction", format!("must be in (0, 1), found {}", config.eval_fraction)));
         }
+        let path = base_dir.join(&config.path);
+        if !path.is_file() {
+            return Err(config_error("path", format!("{} does not exist", path.display())));
+        }
+        Ok(())
+    }
+
+    fn build(config: LibSvmConfig, ctx: &SamplerContext) -> Result<Self, DataError> {
+        Self::check(&config, &ctx.base_dir)?;
         let rows = ctx.rows(&config.feature)?;
         let path: PathBuf = ctx.base_dir.join(&config.path);
         let text = std::fs::read_to_string(&path).map_err(|source| DataError::Io { path: path.clone(), source })?;
