@@ -609,6 +609,14 @@ impl CudaEbc {
         Ok(())
     }
 
+    /// Sets the factor on every table's optimizer `lr` for the next updates (a learning-rate
+    /// schedule's multiplier).
+    pub fn set_lr_multiplier(&mut self, multiplier: f64) {
+        for t in &mut self.tables {
+            t.get_mut().unwrap_or_else(|p| p.into_inner()).spec.lr_multiplier = multiplier;
+        }
+    }
+
     /// Unpins every prefetched batch not trained yet.
     pub fn discard_prefetched(&mut self) {
         for (_, pins) in std::mem::take(&mut self.pending) {

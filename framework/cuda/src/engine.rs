@@ -150,6 +150,10 @@ impl EmbeddingEngine for CudaEbc {
         CudaEbc::discard_prefetched(self);
     }
 
+    fn set_lr_multiplier(&mut self, multiplier: f64) {
+        CudaEbc::set_lr_multiplier(self, multiplier);
+    }
+
     fn cache_stats(&self) -> Vec<(String, CacheStats)> {
         self.layout()
             .tables

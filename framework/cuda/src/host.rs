@@ -33,6 +33,8 @@ pub struct KernelTable {
     /// Its cache (`fused_uvm_caching`): that many rows in GPU memory in front of the whole
     /// table in host memory.
     pub cache: Option<trainrec_embedding::CacheConfig>,
+    /// The factor on the optimizer's `lr` of the next updates (a learning-rate schedule's).
+    pub lr_multiplier: f64,
 }
 
 /// One pooled output: the input feature it reads, its table and its first output column.
@@ -90,6 +92,7 @@ impl Layout {
                 optimizer,
                 rounding: ebc.rounding_stream(&c.name),
                 cache: c.cache.clone(),
+                lr_multiplier: 1.0,
             });
         }
         debug_assert_eq!(column, ebc.width());
@@ -262,7 +265,8 @@ pub struct StepArgs {
 impl StepArgs {
     /// The arguments of table `spec`'s update number `iter` (1 for the first).
     pub fn new(spec: &KernelTable, iter: u64) -> Self {
-        let c = trainrec_embedding::StepConstants::of(&spec.optimizer, iter);
+        let c = trainrec_embedding::StepConstants::of(&spec.optimizer, iter)
+            .with_lr_multiplier(spec.optimizer.lr(), spec.lr_multiplier);
         let (opt, wd_mode) = opt_code(c.kind);
         let (stochastic, rng_key, table) = match spec.rounding {
             Some((seed, table)) => (1, trainrec_embedding::rounding_key(seed, iter), table),

@@ -322,6 +322,13 @@ impl Core {
         Ok(())
     }
 
+    /// Sets the factor on every table's optimizer `lr` for the next updates.
+    pub(crate) fn set_lr_multiplier(&mut self, multiplier: f64) {
+        for g in &mut self.groups {
+            dispatch!(g, g => g.lr_multiplier = multiplier);
+        }
+    }
+
     /// Sets the optimizer steps of table `name`'s group (every table of the group).
     pub(crate) fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError> {
         let t = &self.tables[self.table_or_err(name)?];

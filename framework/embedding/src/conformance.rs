@@ -127,7 +127,8 @@ pub type MakeEngine<'a> = &'a mut dyn FnMut(&EmbeddingBagCollection) -> Result<B
 /// 2. after each fused update, every table's weights equal, and the blocks of
 ///    [`EmbeddingEngine::local_shards`] equal the reference's (weights, optimizer state,
 ///    steps) where they cover whole tables;
-/// 3. a batch staged with prefetch and then discarded changes nothing;
+/// 3. a batch staged with prefetch and then discarded changes nothing, and a learning-rate
+///    multiplier (from step 3) scales the updates alike;
 /// 4. an engine built from the reference's initial state and loaded with the trained blocks
 ///    gives the trained engine's outputs;
 /// 5. rows reset on both sides with the same key are equal again.
@@ -162,6 +163,11 @@ pub fn check_engine(case: &Case, make: MakeEngine<'_>, tol: f32) -> Result<(), M
         let got = forward(engine.as_ref(), &kjt, &mut ctx, step).map_err(|e| at(&format!("forward: {e}"), step))?;
         compare(&got, &want, tol).map_err(|e| at(&format!("pooled output {e}"), step))?;
 
+        // A learning-rate schedule's multiplier from step 3 on.
+        if step == 3 {
+            reference.set_lr_multiplier(0.37);
+            engine.set_lr_multiplier(0.37);
+        }
         let grad: Vec<f32> = (0..BATCH * width).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         reference.backward_and_update(&full, &grad).map_err(|e| at(&e.to_string(), step))?;
         engine
@@ -334,6 +340,9 @@ mod tests {
         }
         fn discard_prefetched(&mut self) {
             EmbeddingEngine::discard_prefetched(&mut self.0);
+        }
+        fn set_lr_multiplier(&mut self, multiplier: f64) {
+            EmbeddingEngine::set_lr_multiplier(&mut self.0, multiplier);
         }
         fn cache_stats(&self) -> Vec<(String, crate::CacheStats)> {
             EmbeddingEngine::cache_stats(&self.0)

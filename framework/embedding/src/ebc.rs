@@ -113,6 +113,12 @@ impl EmbeddingBagCollection {
         self.core.set_step_count(name, steps)
     }
 
+    /// Sets the factor on every table's optimizer `lr` for the next updates (a learning-rate
+    /// schedule's multiplier; 1 trains at the configured rates).
+    pub fn set_lr_multiplier(&mut self, multiplier: f64) {
+        self.core.set_lr_multiplier(multiplier);
+    }
+
     /// The table configurations, in construction order.
     pub fn table_configs(&self) -> impl ExactSizeIterator<Item = &EmbeddingBagConfig> {
         self.core.tables.iter().map(|t| &t.config)

@@ -279,6 +279,9 @@ pub trait EmbeddingEngine: EmbeddingLookup {
     ) -> Result<(), EmbeddingError>;
     /// Unpins every batch staged with `prefetch` that was not trained.
     fn discard_prefetched(&mut self);
+    /// Sets the factor on every table's optimizer `lr` for the next updates (a learning-rate
+    /// schedule's multiplier: the rate is `lr × multiplier` computed in f64, [`crate::scaled_lr`]).
+    fn set_lr_multiplier(&mut self, multiplier: f64);
     /// Cache counters of every cached table this engine (this rank) holds, by table or shard
     /// name, cumulative.
     fn cache_stats(&self) -> Vec<(String, CacheStats)>;
@@ -439,6 +442,9 @@ impl EmbeddingEngine for EmbeddingBagCollection {
     }
     fn discard_prefetched(&mut self) {
         EmbeddingBagCollection::discard_prefetched(self);
+    }
+    fn set_lr_multiplier(&mut self, multiplier: f64) {
+        EmbeddingBagCollection::set_lr_multiplier(self, multiplier);
     }
     fn cache_stats(&self) -> Vec<(String, CacheStats)> {
         self.table_configs()

@@ -39,7 +39,7 @@ pub use engine::{
     BatchContext, DeviceSlice, EmbeddingEngine, EmbeddingLookup, LocalShard, Memory, Pooled, PooledGrad, StepTimes,
     TableEngine,
 };
-pub use optim::{OptimizerKind, StepConstants};
+pub use optim::{OptimizerKind, StepConstants, scaled_lr};
 pub use position::PositionWeightedModule;
 pub use precision::{Weight, rounding_key};
 pub use tbe::{RowBlock, clamp_row, reset_values};

@@ -114,6 +114,20 @@ impl StepConstants {
     }
 }
 
+impl StepConstants {
+    /// The constants with the learning rate `lr × multiplier` (computed in f64, as a schedule
+    /// sets a PyTorch param group's rate, then stored in f32 as FBGEMM's kernels take it).
+    pub fn with_lr_multiplier(mut self, lr: f32, multiplier: f64) -> Self {
+        self.lr = scaled_lr(lr, multiplier);
+        self
+    }
+}
+
+/// `lr × multiplier` computed in f64, stored in f32 (exactly `lr` for a multiplier of 1).
+pub fn scaled_lr(lr: f32, multiplier: f64) -> f32 {
+    (f64::from(lr) * multiplier) as f32
+}
+
 /// One step's optimizer with its step-dependent constants resolved.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Step {
@@ -140,6 +154,12 @@ enum Kind {
 }
 
 impl Step {
+    /// The step with the learning rate `lr × multiplier` ([`scaled_lr`]).
+    pub(crate) fn with_lr_multiplier(mut self, lr: f32, multiplier: f64) -> Self {
+        self.lr = scaled_lr(lr, multiplier);
+        self
+    }
+
     /// The update of step `t` (1 for the first update).
     pub(crate) fn new(config: &SparseOptimizerConfig, t: u64) -> Self {
         use SparseOptimizerConfig as C;

@@ -71,6 +71,8 @@ pub(crate) struct Tbe<T: Weight + Pod> {
     seed: u64,
     /// Updates applied so far (FBGEMM's `iter`).
     pub iter: u64,
+    /// The factor on the optimizer's `lr` of the next updates (a learning-rate schedule's).
+    pub lr_multiplier: f64,
 }
 
 /// Issues a prefetch of the cache lines of `bytes` bytes at `p` (no-op off x86-64).
@@ -146,7 +148,16 @@ impl<T: Weight + Pod> Tbe<T> {
         }
         let weights = HugeBuf::zeroed(w_off, "embedding weights")?;
         let state = HugeBuf::zeroed(s_off, "optimizer state")?;
-        Ok(Self { slots, weights, state, optimizer, stochastic: stochastic && size_of::<T>() < 4, seed, iter: 0 })
+        Ok(Self {
+            slots,
+            weights,
+            state,
+            optimizer,
+            stochastic: stochastic && size_of::<T>() < 4,
+            seed,
+            iter: 0,
+            lr_multiplier: 1.0,
+        })
     }
 
     /// The group's stochastic-rounding seed, when it rounds stochastically.
@@ -266,7 +277,7 @@ impl<T: Weight + Pod> Tbe<T> {
     /// is scratch), `grad` the buffer their `src` offsets index.
     pub(crate) fn update(&mut self, occ: &mut [Vec<Occ>], tmp: &mut [Vec<Occ>], grad: &[f32], threads: usize) {
         self.iter += 1;
-        let step = Step::new(&self.optimizer, self.iter);
+        let step = Step::new(&self.optimizer, self.iter).with_lr_multiplier(self.optimizer.lr(), self.lr_multiplier);
         let slots = &self.slots;
         if threads <= 1 {
             occ.iter_mut()

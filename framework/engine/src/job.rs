@@ -55,6 +55,9 @@ pub struct Job {
     pub(crate) resume: Option<crate::checkpoint::Checkpoint>,
     /// The train pipeline and what it staged ahead of the next step.
     pub(crate) pipeline: Pipeline,
+    /// Updates applied so far (the step a learning-rate schedule is at: [`Job::run`] sets it
+    /// from its progress, so a resumed run goes on from its checkpoint's step).
+    pub(crate) updates: u64,
 }
 
 impl Job {
@@ -220,6 +223,7 @@ impl Job {
             base_dir: loaded.base_dir.clone(),
             resume: None,
             pipeline: Pipeline::new(recipe_pipeline_kind),
+            updates: 0,
         })
     }
 
@@ -292,6 +296,7 @@ impl Job {
         want_predictions: bool,
         ahead: Option<&Batch>,
     ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
+        self.apply_lr_schedules()?;
         let parts = StepParts {
             sparse: &mut self.sparse,
             model: self.model.as_mut(),
@@ -300,7 +305,39 @@ impl Job {
             mc: &mut self.mc,
             layout: &self.layout,
         };
-        self.pipeline.step(parts, batch, want_predictions, ahead)
+        let out = self.pipeline.step(parts, batch, want_predictions, ahead)?;
+        self.updates += 1;
+        Ok(out)
+    }
+
+    /// Sets the learning rates of the next update (`self.updates`) as the recipe's
+    /// `optimizer.dense_schedule` and `optimizer.sparse_schedule` say.
+    fn apply_lr_schedules(&mut self) -> Result<(), EngineError> {
+        let o = &self.recipe.optimizer;
+        if !o.dense_schedule.is_empty() {
+            self.dense_opt.set_lr(o.dense.lr() * trainrec_types::lr_multiplier(&o.dense_schedule, self.updates));
+        }
+        if !o.sparse_schedule.is_empty() {
+            let m = trainrec_types::lr_multiplier(&o.sparse_schedule, self.updates);
+            self.sparse.engine_mut()?.set_lr_multiplier(m);
+        }
+        Ok(())
+    }
+
+    /// The learning rates the last update used, when a schedule sets them: `lr_dense`, and
+    /// `lr_sparse` (the sparse optimizer's `lr` times the schedule's multiplier).
+    pub(crate) fn lr_values(&self) -> BTreeMap<String, f64> {
+        let o = &self.recipe.optimizer;
+        let last = self.updates.saturating_sub(1);
+        let mut out = BTreeMap::new();
+        if !o.dense_schedule.is_empty() {
+            out.insert("lr_dense".to_string(), self.dense_opt.lr());
+        }
+        if !o.sparse_schedule.is_empty() {
+            let m = trainrec_types::lr_multiplier(&o.sparse_schedule, last);
+            out.insert("lr_sparse".to_string(), f64::from(trainrec_embedding::scaled_lr(o.sparse.lr(), m)));
+        }
+        out
     }
 
     /// The weights of table `name`, `[rows, dim]` row-major (across ranks: assembled from
@@ -438,6 +475,8 @@ impl Job {
                     break;
                 }
                 let _step_span = tracing::debug_span!("step", step = p.step + 1).entered();
+                // A learning-rate schedule is at the run's step (a resumed run's included).
+                self.updates = p.step;
                 let (loss, predictions, examples) =
                     self.train_step_with(&batch, train_suites.is_some(), feed.ahead())?;
                 if let (Some(suites), Some(pr)) = (&mut train_suites, &predictions) {
@@ -468,6 +507,7 @@ impl Job {
                     values.extend(throughput.compute());
                     values.extend(self.mc.metric_values(self.sync.as_ref().map(|s| s.pg.as_ref()))?);
                     values.extend(self.cache_values_of_all_ranks()?);
+                    values.extend(self.lr_values());
                     train_values.extend(values);
                 }
                 p.set_window(window);

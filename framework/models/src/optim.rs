@@ -402,6 +402,21 @@ impl DenseOptimizer {
         Ok(Self { params, names, rule, grad_reset })
     }
 
+    /// The learning rate of the next steps.
+    pub fn lr(&self) -> f64 {
+        match &self.rule {
+            Rule::Sgd { lr, .. } | Rule::Adam { lr, .. } | Rule::Adagrad { lr, .. } => *lr,
+        }
+    }
+
+    /// Sets the learning rate of the next steps (a learning-rate schedule's; PyTorch's
+    /// `param_group["lr"] = lr`).
+    pub fn set_lr(&mut self, lr: f64) {
+        match &mut self.rule {
+            Rule::Sgd { lr: l, .. } | Rule::Adam { lr: l, .. } | Rule::Adagrad { lr: l, .. } => *l = lr,
+        }
+    }
+
     /// Clears the gradients: SGD and Adam drop them (undefined, libtorch's `zero_grad()`), so a
     /// parameter that then gets no gradient is not stepped; Adagrad zeroes them.
     pub fn zero_grad(&mut self) {

@@ -6,7 +6,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use trainrec_planner::{ComputeDevice, Constraints, CostModel, PartitionerKind, ProposerKind};
-use trainrec_types::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WeightPrecision};
+use trainrec_types::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WarmupStage, WeightPrecision};
 pub use trainrec_types::{DenseOptimizerConfig, McEvictionPolicy, PipelineKind};
 
 /// A whole training job.
@@ -395,6 +395,17 @@ pub struct OptimizerSection {
     pub sparse: SparseOptimizerConfig,
     /// Optimizer of the dense model's parameters.
     pub dense: DenseOptimizerConfig,
+    /// The dense optimizer's learning-rate schedule (`[[optimizer.dense_schedule]]`, TorchRec's
+    /// `WarmupOptimizer` stages): step `t` (from 0, over the whole run) takes the first stage
+    /// whose `max_iters` is at least `t`, and trains at `dense.lr` times its multiplier; 1 after
+    /// the last stage. Default: none (a constant rate).
+    #[serde(default)]
+    pub dense_schedule: Vec<WarmupStage>,
+    /// The fused optimizers' learning-rate schedule (`[[optimizer.sparse_schedule]]`), as
+    /// `dense_schedule`: every table's rate is its optimizer's `lr` times the multiplier.
+    /// Default: none.
+    #[serde(default)]
+    pub sparse_schedule: Vec<WarmupStage>,
 }
 
 /// `[train]`: how long to train and how often to evaluate.

@@ -72,6 +72,10 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         _ => {}
     }
 
+    let optimizer = root.key("optimizer");
+    out.extend(trainrec_types::check_schedule(&recipe.optimizer.dense_schedule, &optimizer.key("dense_schedule")));
+    out.extend(trainrec_types::check_schedule(&recipe.optimizer.sparse_schedule, &optimizer.key("sparse_schedule")));
+
     let data = root.key("data");
     if recipe.data.batch_size == 0 {
         out.push(Diagnostic::new(data.key("batch_size"), "batch_size must be greater than 0"));

@@ -110,6 +110,12 @@ impl EmbeddingEngine for ShardedEbc {
         ShardedEbc::discard_prefetched(self);
     }
 
+    fn set_lr_multiplier(&mut self, multiplier: f64) {
+        for e in [&mut self.local, &mut self.dp].into_iter().flatten() {
+            e.set_lr_multiplier(multiplier);
+        }
+    }
+
     fn cache_stats(&self) -> Vec<(String, CacheStats)> {
         [&self.local, &self.dp].into_iter().flatten().flat_map(|e| e.cache_stats()).collect()
     }

@@ -52,8 +52,13 @@ fn trainrec(args: &[String], failpoint: Option<&str>) -> (Option<i32>, String) {
 }
 
 fn run(world: usize, out: &Path, failpoint: Option<&str>) -> (Option<i32>, String) {
+    run_with(world, out, failpoint, &[])
+}
+
+/// [`run`] with more `--set` overrides.
+fn run_with(world: usize, out: &Path, failpoint: Option<&str>, extra: &[&str]) -> (Option<i32>, String) {
     let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
-    for s in settings(world, out) {
+    for s in settings(world, out).into_iter().chain(extra.iter().map(|s| s.to_string())) {
         args.extend(["--set".to_string(), s]);
     }
     trainrec(&args, failpoint)
@@ -111,6 +116,35 @@ fn a_killed_run_resumes_bit_for_bit_on_one_and_two_ranks() {
         // The third checkpoint (step 60) was saved; all three are kept (keep_checkpoints = 3).
         assert_eq!(checkpoints(&killed), ["step-00000020", "step-00000040", "step-00000060"]);
     }
+}
+
+/// Learning-rate schedules are a function of the run's step: a run resumed from step 40
+/// trains at the uninterrupted run's rates (and so writes its metrics), and the rates the
+/// `train` lines report are the schedules' (`lr × multiplier` of the line's last update).
+#[test]
+fn a_scheduled_run_resumes_at_its_rates() {
+    let schedules = [
+        "optimizer.dense_schedule=[{policy=\"linear\",max_iters=30,value=0.1},{policy=\"step\",max_iters=200,value=0.5,decay_iters=20}]",
+        "optimizer.sparse_schedule=[{policy=\"constant\",max_iters=25,value=0.5},{policy=\"cosine_annealing_warm_restarts\",max_iters=55,value=0.1,sgdr_period=12}]",
+    ];
+    let through = out_dir("sched-through");
+    let (code, err) = run_with(1, &through, None, &schedules);
+    assert_eq!(code, Some(0), "{err}");
+    let want = metrics(&through);
+    // The line of step 30 reports update 29's rates: dense 0.002 (the quickstart's Adam lr) x
+    // (0.1 + 0.9 x 29 / 30); sparse 0.05 x (0.1 + 0.9 x (1 + cos(pi x (29 mod 12) / 12)) / 2).
+    let line = want.iter().find(|l| l["step"] == 30 && l["split"] == "train").expect("a train line at step 30");
+    let dense = 0.002 * (0.1 + 0.9 * 29.0 / 30.0);
+    let sparse = (0.05f32 as f64 * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * 5.0 / 12.0).cos()))) as f32;
+    assert_eq!(line["metrics"]["lr_dense"].as_f64(), Some(dense), "{line}");
+    assert_eq!(line["metrics"]["lr_sparse"].as_f64(), Some(sparse as f64), "{line}");
+
+    let killed = out_dir("sched-killed");
+    let (code, _) = run_with(1, &killed, Some("abort-after-step:50"), &schedules);
+    assert_ne!(code, Some(0), "the run was to abort");
+    let (code, err) = resume(&killed, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(metrics(&killed), want, "the resumed run's metrics (and rates) differ");
 }
 
 #[test]

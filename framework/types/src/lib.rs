@@ -9,6 +9,7 @@
 //! - [`dense_optimizer`]: the dense model's optimizer.
 //! - [`sharding`]: sharding types, compute kernels, compute devices.
 //! - [`mc`]: managed collisions' eviction policy and settings.
+//! - [`schedule`]: learning-rate schedules (TorchRec's warm-up stages).
 //! - [`pipeline`], [`split`]: the train pipeline's kinds; the data's splits.
 //! - [`block`]: row blocks (TorchRec's even split).
 //!
@@ -24,6 +25,7 @@ pub mod diagnostic;
 pub mod feature;
 pub mod mc;
 pub mod pipeline;
+pub mod schedule;
 pub mod sharding;
 pub mod sparse_optimizer;
 pub mod split;
@@ -36,6 +38,7 @@ pub use diagnostic::{Diagnostic, Diagnostics, KeyPath, Origin, Segment, did_you_
 pub use feature::FeatureRef;
 pub use mc::{McConfig, McEvictionPolicy, McPartition};
 pub use pipeline::PipelineKind;
+pub use schedule::{WarmupPolicy, WarmupStage, check_schedule, lr_multiplier};
 pub use sharding::{ComputeDevice, ComputeKernel, ShardingType};
 pub use sparse_optimizer::{SparseOptimizerConfig, StatePart, WeightDecayMode};
 pub use split::Split;
@@ -86,6 +89,7 @@ mod tests {
         check::<McEvictionPolicy>();
         check::<PipelineKind>();
         check::<Split>();
+        check::<WarmupPolicy>();
     }
 
     #[test]
