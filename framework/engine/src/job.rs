@@ -304,6 +304,7 @@ impl Job {
             sync: self.sync.as_ref(),
             mc: &mut self.mc,
             layout: &self.layout,
+            clipping: self.recipe.optimizer.dense_clipping.as_ref(),
         };
         let out = self.pipeline.step(parts, batch, want_predictions, ahead)?;
         self.updates += 1;

@@ -111,6 +111,8 @@ pub(crate) struct StepParts<'a> {
     pub sync: Option<&'a DataParallel>,
     pub mc: &'a mut McTables,
     pub layout: &'a BatchLayout,
+    /// The dense gradients' clipping (`optimizer.dense_clipping`).
+    pub clipping: Option<&'a trainrec_types::DenseClipping>,
 }
 
 /// A job's train pipeline: its kind, and the batch it staged ahead of the next step.
@@ -156,7 +158,7 @@ impl Pipeline {
         want_predictions: bool,
         ahead: Option<&Batch>,
     ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
-        let StepParts { sparse: arch, model, opt, sync, mc, layout } = parts;
+        let StepParts { sparse: arch, model, opt, sync, mc, layout, clipping } = parts;
         let remapped;
         let batch = if mc.is_empty() {
             batch
@@ -180,7 +182,7 @@ impl Pipeline {
         let (dense, sparse, labels, mut ctx) = tensors(layout, arch, batch, staged)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = batch.sparse.full_batch()?;
-        let mut dense_parts = DenseParts { model, opt, sync, tasks: layout.tasks.len() };
+        let mut dense_parts = DenseParts { model, opt, sync, tasks: layout.tasks.len(), clipping };
         let prefetch = self.kind == PipelineKind::PrefetchSparseDist;
         let stage = match (ahead, &mut *arch) {
             (Some(next), SparseArch::Train(engine)) if prefetch || engine.stages_ahead() => {
@@ -349,6 +351,7 @@ struct DenseParts<'a> {
     opt: &'a mut DenseOptimizer,
     sync: Option<&'a DataParallel>,
     tasks: usize,
+    clipping: Option<&'a trainrec_types::DenseClipping>,
 }
 
 impl DenseParts<'_> {
@@ -402,13 +405,17 @@ impl DenseParts<'_> {
         Ok((loss_value, logits, examples))
     }
 
-    /// Across ranks, sums the gradients and the loss shares (collective); then the dense
-    /// optimizer's update. Returns the (global) loss.
+    /// Across ranks, sums the gradients and the loss shares (collective); then clips the
+    /// summed gradients when the recipe says so, and the dense optimizer's update. Returns the
+    /// (global) loss.
     fn finish(self, loss: f64, sharded: bool) -> Result<f64, EngineError> {
         let loss = match self.sync {
             Some(sync) if sharded => sync.all_reduce(loss)?,
             _ => loss,
         };
+        if let Some(clipping) = self.clipping {
+            self.opt.clip_gradients(clipping);
+        }
         self.opt.step();
         Ok(loss)
     }

@@ -402,6 +402,38 @@ impl DenseOptimizer {
         Ok(Self { params, names, rule, grad_reset })
     }
 
+    /// Clips the gradients as `clipping` says (before [`Self::step`]), as TorchRec's
+    /// `GradientClippingOptimizer` clips dense parameters: the norm of each gradient, their
+    /// `norm_type`-norm together, and every gradient times `min(1, max_gradient / (total +
+    /// 1e-6))`, in fp32 as `torch.nn.utils.clip_grad_norm_` computes it; or every value clamped
+    /// (`clip_grad_value_`). Returns the total norm (norm clipping with gradients).
+    pub fn clip_gradients(&mut self, clipping: &trainrec_types::DenseClipping) -> Option<f64> {
+        let grads: Vec<Tensor> =
+            self.params.iter().map(Tensor::grad).filter(|g| g.defined() && g.numel() > 0).collect();
+        if grads.is_empty() {
+            return None;
+        }
+        match clipping.kind {
+            trainrec_types::ClippingKind::Norm => {
+                let p = clipping.norm_type;
+                let norm = |t: &Tensor| t.flatten(0, -1).linalg_norm(p, None::<&[i64]>, false, None::<Kind>);
+                let total = norm(&Tensor::stack(&grads.iter().map(norm).collect::<Vec<_>>(), 0));
+                let coef = ((&total + 1e-6).reciprocal() * clipping.max_gradient).clamp_max(1.0);
+                for mut g in grads {
+                    let _ = g.f_mul_(&coef).expect("a 0-dim factor multiplies any gradient");
+                }
+                Some(total.double_value(&[]))
+            }
+            trainrec_types::ClippingKind::Value => {
+                let v = clipping.max_gradient;
+                for mut g in grads {
+                    let _ = g.clamp_(-v, v);
+                }
+                None
+            }
+        }
+    }
+
     /// The learning rate of the next steps.
     pub fn lr(&self) -> f64 {
         match &self.rule {

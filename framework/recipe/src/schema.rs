@@ -406,6 +406,10 @@ pub struct OptimizerSection {
     /// Default: none.
     #[serde(default)]
     pub sparse_schedule: Vec<WarmupStage>,
+    /// Clipping of the dense gradients before each update (`[optimizer.dense_clipping]`:
+    /// `kind = "norm"` or `"value"`, `max_gradient`, `norm_type`). Default: none.
+    #[serde(default)]
+    pub dense_clipping: Option<trainrec_types::DenseClipping>,
 }
 
 /// `[train]`: how long to train and how often to evaluate.

@@ -75,6 +75,9 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
     let optimizer = root.key("optimizer");
     out.extend(trainrec_types::check_schedule(&recipe.optimizer.dense_schedule, &optimizer.key("dense_schedule")));
     out.extend(trainrec_types::check_schedule(&recipe.optimizer.sparse_schedule, &optimizer.key("sparse_schedule")));
+    if let Some(c) = &recipe.optimizer.dense_clipping {
+        out.extend(c.check(&optimizer.key("dense_clipping")));
+    }
 
     let data = root.key("data");
     if recipe.data.batch_size == 0 {

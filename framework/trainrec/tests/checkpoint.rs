@@ -121,11 +121,13 @@ fn a_killed_run_resumes_bit_for_bit_on_one_and_two_ranks() {
 /// Learning-rate schedules are a function of the run's step: a run resumed from step 40
 /// trains at the uninterrupted run's rates (and so writes its metrics), and the rates the
 /// `train` lines report are the schedules' (`lr × multiplier` of the line's last update).
+/// Dense gradient clipping (norm) is on too, and changes the training.
 #[test]
 fn a_scheduled_run_resumes_at_its_rates() {
     let schedules = [
         "optimizer.dense_schedule=[{policy=\"linear\",max_iters=30,value=0.1},{policy=\"step\",max_iters=200,value=0.5,decay_iters=20}]",
         "optimizer.sparse_schedule=[{policy=\"constant\",max_iters=25,value=0.5},{policy=\"cosine_annealing_warm_restarts\",max_iters=55,value=0.1,sgdr_period=12}]",
+        "optimizer.dense_clipping={kind=\"norm\",max_gradient=0.05}",
     ];
     let through = out_dir("sched-through");
     let (code, err) = run_with(1, &through, None, &schedules);
@@ -138,6 +140,12 @@ fn a_scheduled_run_resumes_at_its_rates() {
     let sparse = (0.05f32 as f64 * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * 5.0 / 12.0).cos()))) as f32;
     assert_eq!(line["metrics"]["lr_dense"].as_f64(), Some(dense), "{line}");
     assert_eq!(line["metrics"]["lr_sparse"].as_f64(), Some(sparse as f64), "{line}");
+
+    // Clipping changes what is learnt: without it the losses differ.
+    let unclipped = out_dir("sched-unclipped");
+    let (code, err) = run_with(1, &unclipped, None, &schedules[..2]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_ne!(metrics(&unclipped), want, "clipping at norm 0.05 left the training as it was");
 
     let killed = out_dir("sched-killed");
     let (code, _) = run_with(1, &killed, Some("abort-after-step:50"), &schedules);

@@ -33,7 +33,7 @@ pub mod table;
 
 pub use block::even_block;
 pub use cache::{CacheBacking, CachePolicy};
-pub use dense_optimizer::DenseOptimizerConfig;
+pub use dense_optimizer::{ClippingKind, DenseClipping, DenseOptimizerConfig};
 pub use diagnostic::{Diagnostic, Diagnostics, KeyPath, Origin, Segment, did_you_mean, suggest};
 pub use feature::FeatureRef;
 pub use mc::{McConfig, McEvictionPolicy, McPartition};
@@ -90,6 +90,7 @@ mod tests {
         check::<PipelineKind>();
         check::<Split>();
         check::<WarmupPolicy>();
+        check::<ClippingKind>();
     }
 
     #[test]
