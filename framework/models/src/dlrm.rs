@@ -42,7 +42,7 @@ fn mlp_inplace(vs: &nn::Path, input: usize, sizes: &[usize], relu_last: bool) ->
     let mut seq = nn::seq();
     let mut prev = input as i64;
     for (i, &size) in sizes.iter().enumerate() {
-        seq = seq.add(nn::linear(vs / format!("layer{i}"), prev, size as i64, Default::default()));
+        seq = seq.add(nn::linear(vs / format!("layer{i}"), prev, size as i64, mlp::torch_linear(prev)));
         if relu_last || i + 1 < sizes.len() {
             seq = seq.add_fn(|x| x.shallow_clone().relu_());
         }

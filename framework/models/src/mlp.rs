@@ -5,14 +5,24 @@ use trainrec_types::{Diagnostic, KeyPath};
 
 use crate::ModelInputs;
 
-/// An MLP of `nn::linear` layers named `layer{i}` under `vs`, with a ReLU after every layer but
-/// the last, and after the last too when `relu_last` is set (TorchRec's `MLP` with
-/// `activation="relu"` is `relu_last = true`; its `OverArch` is `relu_last = false`).
+/// PyTorch's `nn.Linear` initialisation for a layer of `fan_in` inputs: weights and bias
+/// uniform in `±1 / sqrt(fan_in)` (`kaiming_uniform_(a = sqrt(5))` and its bias rule), as every
+/// TorchRec model's layers start. tch's `nn::linear` default draws the weights `√6` times wider
+/// (Kaiming-uniform with ReLU's gain).
+pub(crate) fn torch_linear(fan_in: i64) -> nn::LinearConfig {
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    nn::LinearConfig { ws_init: nn::Init::Uniform { lo: -bound, up: bound }, ..Default::default() }
+}
+
+/// An MLP of `nn::linear` layers named `layer{i}` under `vs` (PyTorch's initialisation,
+/// [`torch_linear`]), with a ReLU after every layer but the last, and after the last too when
+/// `relu_last` is set (TorchRec's `MLP` with `activation="relu"` is `relu_last = true`; its
+/// `OverArch` is `relu_last = false`).
 pub(crate) fn mlp(vs: &nn::Path, input: usize, sizes: &[usize], relu_last: bool) -> nn::Sequential {
     let mut seq = nn::seq();
     let mut prev = input as i64;
     for (i, &size) in sizes.iter().enumerate() {
-        seq = seq.add(nn::linear(vs / format!("layer{i}"), prev, size as i64, Default::default()));
+        seq = seq.add(nn::linear(vs / format!("layer{i}"), prev, size as i64, torch_linear(prev)));
         if relu_last || i + 1 < sizes.len() {
             seq = seq.add_fn(|x| x.relu());
         }
@@ -130,5 +140,38 @@ pub(crate) fn check_has_dense(model: &str, inputs: &ModelInputs, out: &mut Vec<D
             model_key(),
             format!("{model} needs at least one dense feature; the sampler produces none"),
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every layer starts as PyTorch's `nn.Linear` does: weights and bias uniform in
+    /// `±1/sqrt(fan_in)`, so their standard deviation is `1/sqrt(3 fan_in)` (tch's default
+    /// weights would be `√6` times wider and fail both checks).
+    #[test]
+    fn layers_start_as_pytorch_linear_layers() {
+        tch::manual_seed(7);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let _ = mlp(&vs.root(), 400, &[300, 1], false);
+        let vars = vs.variables();
+        for (name, fan_in, numel) in
+            [("layer0.weight", 400.0, 120_000), ("layer1.weight", 300.0, 300), ("layer0.bias", 400.0, 300)]
+        {
+            let v = &vars[name];
+            assert_eq!(v.numel(), numel, "{name}");
+            let values: Vec<f32> = Vec::try_from(v.flatten(0, -1)).unwrap();
+            let bound = 1.0 / f64::sqrt(fan_in);
+            let max = values.iter().map(|x| f64::from(x.abs())).fold(0.0, f64::max);
+            assert!(max <= bound && max > 0.9 * bound, "{name}: max |w| {max} against bound {bound}");
+            if numel >= 10_000 {
+                let n = values.len() as f64;
+                let mean = values.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+                let var = values.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / n;
+                let want = bound / 3f64.sqrt();
+                assert!((var.sqrt() / want - 1.0).abs() < 0.02, "{name}: std {} against {want}", var.sqrt());
+            }
+        }
     }
 }

@@ -47,3 +47,23 @@ fn the_planner_chapter_shows_what_trainrec_plan_prints() {
     std::fs::remove_dir_all(&dir).unwrap();
     check_example("plan_criteo_8gpu.txt", &stdout);
 }
+
+#[test]
+fn the_quickstart_chapter_shows_what_the_quickstart_prints() {
+    let dir = std::env::temp_dir().join(format!("trainrec-book-quickstart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let recipe = workspace().join("recipes/quickstart.toml");
+    let out = format!("run.output_dir={}", dir.join("run").display());
+    let (code, stdout) = trainrec(&dir, &["run", recipe.to_str().unwrap(), "--set", &out]);
+    assert_eq!(code, 0, "{stdout}");
+    // The first line carries wall time and throughput, the last the run directory: the book
+    // shows the eval block between them, which a seeded run reproduces exactly.
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(lines[0].starts_with("trained 1500 steps (768000 samples)"), "{stdout}");
+    let eval: String = lines[1..lines.len() - 1].iter().map(|l| format!("{l}\n")).collect();
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let first_eval = metrics.lines().find(|l| l.contains(r#""split":"eval""#)).expect("an eval line");
+    std::fs::remove_dir_all(&dir).unwrap();
+    check_example("quickstart_eval.txt", &eval);
+    check_example("quickstart_first_eval.jsonl", &format!("{first_eval}\n"));
+}

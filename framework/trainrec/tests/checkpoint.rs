@@ -304,7 +304,10 @@ fn eval_scores_a_checkpoint_in_fp32_and_quantized() {
     let q: serde_json::Value = serde_json::from_slice(&got.stdout).unwrap();
     assert_eq!(q["quantize"], "int8");
     let (a, b) = (q["metrics"]["auc"].as_f64().unwrap(), line["metrics"]["auc"].as_f64().unwrap());
-    assert!(a != b && (a - b).abs() < 0.01, "int8 auc {a} vs fp32 {b}");
+    assert!((a - b).abs() < 0.01, "int8 auc {a} vs fp32 {b}");
+    // The int8 tables score differently (the ranking, and so the AUC, may survive unchanged).
+    let differs = line["metrics"].as_object().unwrap().iter().any(|(k, v)| q["metrics"][k] != *v);
+    assert!(differs, "int8 metrics {} equal fp32 {}", q["metrics"], line["metrics"]);
     // The model cannot change; a missing step is named.
     let (code, err, _) = eval(&["--set", "model.over_arch=[32,1]"]);
     assert_eq!(code, Some(2), "{err}");
