@@ -34,7 +34,13 @@ struct SlicesConfig {
     /// `[rank, batch]`: that rank's sampler fails on that training batch (a rank that dies).
     #[serde(default)]
     fail_at: Option<[u64; 2]>,
+    /// Give every example a sample weight in [0, 3).
+    #[serde(default)]
+    weighted: bool,
 }
+
+/// One example of [`Slices`]: dense features, the ids of features a and b, label, weight.
+type Example = (Vec<f32>, [Vec<i64>; 2], f32, f32);
 
 struct Slices {
     schema: FeatureSchema,
@@ -45,7 +51,8 @@ struct Slices {
 }
 
 impl Slices {
-    fn global(&self, split: Split, index: u64) -> Vec<(Vec<f32>, [Vec<i64>; 2], f32)> {
+    /// The global batch's examples: (dense, ids of features a and b, label, weight).
+    fn global(&self, split: Split, index: u64) -> Vec<Example> {
         let salt = if split == Split::Eval { 1 << 40 } else { 0 };
         let mut rng = StdRng::seed_from_u64(salt + index);
         (0..self.config.global_batch)
@@ -56,7 +63,8 @@ impl Slices {
                     (0..n).map(|_| rng.random_range(0..self.rows[f] as i64)).collect::<Vec<_>>()
                 });
                 let label = if dense[0] + 0.1 * ids[0].len() as f32 > 0.7 { 1.0 } else { 0.0 };
-                (dense, ids, label)
+                let weight = if self.config.weighted { rng.random_range(0.0..3.0) } else { 1.0 };
+                (dense, ids, label, weight)
             })
             .collect()
     }
@@ -84,7 +92,8 @@ impl Slices {
         let sparse = KeyedJaggedTensor::new(vec!["a".into(), "b".into()], values, None, lengths, len)?;
         let sparse = if self.config.dedup { sparse.dedup()? } else { sparse };
         let labels = mine.iter().map(|e| e.2).collect();
-        Ok(Batch { dense, num_dense: 3, sparse, labels, batch_size: len, groups: None })
+        let weights = self.config.weighted.then(|| mine.iter().map(|e| e.3).collect());
+        Ok(Batch { dense, num_dense: 3, sparse, labels, batch_size: len, groups: None, weights })
     }
 }
 
@@ -122,6 +131,10 @@ impl Sampler for Slices {
             world: self.world,
         };
         Ok(Box::new((0..n).map(move |i| me.slice(split, i))))
+    }
+
+    fn weighted(&self) -> bool {
+        self.config.weighted
     }
 
     /// Every rank reads its share of every batch.
@@ -306,6 +319,37 @@ fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
                 one.loss
             );
             assert_eq!(many.dense.keys().collect::<Vec<_>>(), one.dense.keys().collect::<Vec<_>>());
+            for (name, v) in &one.dense {
+                close(&format!("{what}: dense {name}"), &many.dense[name], v);
+            }
+            for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
+                close(&format!("{what}: table {t}"), a, b);
+            }
+            for (k, v) in &one.eval {
+                assert!((many.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", many.eval[k]);
+            }
+        }
+    }
+}
+
+/// With sample weights, the loss of a global batch is its weighted mean whatever the ranks'
+/// slices weigh (uneven slices on three ranks): every world size trains alike.
+#[test]
+fn weighted_batches_train_alike_on_any_number_of_ranks() {
+    let weighted = ["data.sampler.weighted=true"];
+    for sharding in ["data_parallel", "row_wise"] {
+        let one = train_with(1, sharding, false, &weighted);
+        let plain = train(1, sharding, false);
+        assert!((one.loss.1 - plain.loss.1).abs() > 1e-4, "the weights change the loss: {:?}", one.loss);
+        for world in [2, 3] {
+            let many = train_with(world, sharding, false, &weighted);
+            let what = format!("weighted {sharding} on {world} ranks");
+            assert!(
+                (many.loss.0 - one.loss.0).abs() < 1e-4 && (many.loss.1 - one.loss.1).abs() < 1e-4,
+                "{what}: {:?} vs {:?}",
+                many.loss,
+                one.loss
+            );
             for (name, v) in &one.dense {
                 close(&format!("{what}: dense {name}"), &many.dense[name], v);
             }

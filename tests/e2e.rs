@@ -173,6 +173,36 @@ fn two_tasks_learn_their_own_labels() {
     assert!(!m.contains_key("auc"), "multi-task names carry the task: {m:?}");
 }
 
+/// `tasks[].loss_weight` weighs each task's term of the loss: the first step's loss (the same
+/// initial model for every weighting) is the weighted sum of the tasks' own first-step losses.
+#[test]
+fn task_loss_weights_weigh_each_tasks_term() {
+    let first_loss = |weights: [f64; 2], name: &str| {
+        let dir = out_dir(name);
+        run(
+            &workspace().join("recipes/multitask/click_and_like.toml"),
+            &[
+                "train.steps=1".into(),
+                "train.log_every=1".into(),
+                "data.sampler.eval_samples=512".into(),
+                format!("tasks[0].loss_weight={}", weights[0]),
+                format!("tasks[1].loss_weight={}", weights[1]),
+                format!("run.output_dir=\"{}\"", dir.display()),
+            ],
+        );
+        let loss = train_lines(&dir, "loss")[0].1["loss"].as_f64().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        loss
+    };
+    let click = first_loss([1.0, 0.0], "tw-click");
+    let like = first_loss([0.0, 1.0], "tw-like");
+    let both = first_loss([1.0, 1.0], "tw-both");
+    let mixed = first_loss([2.0, 0.25], "tw-mixed");
+    assert!(click > 0.1 && like > 0.1 && (click - like).abs() > 1e-3, "{click} {like}");
+    assert!((both - (click + like)).abs() < 1e-5, "{both} vs {click} + {like}");
+    assert!((mixed - (2.0 * click + 0.25 * like)).abs() < 1e-5, "{mixed} vs 2 x {click} + 0.25 x {like}");
+}
+
 /// The `train` lines of a run's `metrics.jsonl` that carry `key`, by step.
 fn train_lines(dir: &Path, key: &str) -> Vec<(u64, serde_json::Value)> {
     let log = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
@@ -479,4 +509,104 @@ fn cached_tables_train_like_tables_in_memory_with_and_without_prefetch() {
     let cached = go("offload-key-value", &kv);
     assert_eq!(without_cache(&cached), plain, "key_value tables trained differently");
     assert!(cached.iter().any(|l| l["metrics"].get("cache/t_C1/evictions").is_some_and(|e| e.as_f64() > Some(0.0))));
+}
+
+/// Writes the CSV files of [`sample_weights_count_as_repeated_rows`]: `n` rows of `click`,
+/// `x` (dense) and `user` (a string id), with a weight per row in 0..=3; `weighted` files have
+/// the weight column `w`, the others repeat each row `w` times instead.
+fn weight_csv(path: &Path, n: u64, salt: u64, weighted: bool) {
+    let mut text = String::from(if weighted { "click,w,x,user\n" } else { "click,x,user\n" });
+    for i in 0..n {
+        let h = trainrec::data::hash_words(&[salt, i]);
+        let user = h % 17;
+        let x = (h >> 8) % 50;
+        // The label follows the user and x, one in ten flipped.
+        let click = u64::from((user.is_multiple_of(3) || x > 35) != (h >> 20).is_multiple_of(10));
+        let w = (h >> 32) % 4;
+        if weighted {
+            text += &format!("{click},{w},{x},u{user}\n");
+        } else {
+            for _ in 0..w {
+                text += &format!("{click},{x},u{user}\n");
+            }
+        }
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+/// A sample weight counts as that many copies of the row: with each epoch one batch, training
+/// on weighted rows follows training on the rows repeated (the loss, its gradients and the
+/// weighted metrics are the same sums), and both differ from ignoring the weights.
+#[test]
+fn sample_weights_count_as_repeated_rows() {
+    let dir = out_dir("weights");
+    std::fs::create_dir_all(&dir).unwrap();
+    let recipe = |name: &str, train: &str, eval: &str, weight: bool| {
+        let weight = if weight { "weight = \"w\"\n" } else { "" };
+        let text = format!(
+            r#"[run]
+name = "{name}"
+seed = 5
+[data]
+batch_size = 100000
+[data.sampler]
+kind = "csv"
+path = "{train}"
+eval_paths = ["{eval}"]
+label = "click"
+dense = ["x"]
+dense_transform = "log1p"
+on_bad_row = "fail"
+{weight}[data.sampler.sparse]
+user = "user"
+[[tables]]
+name = "users"
+features = ["user"]
+rows = 17
+dim = 4
+[model]
+kind = "dlrm"
+dense_arch = [8, 4]
+over_arch = [8, 1]
+[optimizer]
+sparse = {{ kind = "adagrad", lr = 0.1 }}
+dense = {{ kind = "adagrad", lr = 0.1 }}
+[train]
+epochs = 30
+log_every = 1
+[[metrics]]
+kind = "ne"
+include_logloss = true
+[[metrics]]
+kind = "auc"
+"#
+        );
+        let path = dir.join(format!("{name}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    weight_csv(&dir.join("train_w.csv"), 300, 1, true);
+    weight_csv(&dir.join("eval_w.csv"), 200, 2, true);
+    weight_csv(&dir.join("train_rep.csv"), 300, 1, false);
+    weight_csv(&dir.join("eval_rep.csv"), 200, 2, false);
+    let out = |name: &str| format!("run.output_dir=\"{}\"", dir.join(name).display());
+    let weighted = run(&recipe("weighted", "train_w.csv", "eval_w.csv", true), &[out("weighted")]);
+    let repeated = run(&recipe("repeated", "train_rep.csv", "eval_rep.csv", false), &[out("repeated")]);
+    let ignored = run(&recipe("ignored", "train_w.csv", "eval_w.csv", false), &[out("ignored")]);
+    let losses = |name: &str| -> Vec<f64> {
+        train_lines(&dir.join(name), "loss").into_iter().map(|(_, m)| m["loss"].as_f64().unwrap()).collect()
+    };
+    let (w, r, i) = (losses("weighted"), losses("repeated"), losses("ignored"));
+    assert_eq!((w.len(), r.len()), (30, 30));
+    for (step, (a, b)) in w.iter().zip(&r).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "step {}: weighted loss {a} vs repeated rows {b}", step + 1);
+    }
+    assert!((w[0] - i[0]).abs() > 1e-3, "the weights change the loss: {} vs {}", w[0], i[0]);
+    assert!(weighted.eval["auc"] > 0.7, "{:?}", weighted.eval);
+    for k in ["auc", "ne", "logloss"] {
+        let (a, b, c) = (weighted.eval[k], repeated.eval[k], ignored.eval[k]);
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{k}: weighted {a} vs repeated rows {b}");
+        assert!((a - c).abs() > 1e-4, "{k}: the weights change the metric: {a} vs {c}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

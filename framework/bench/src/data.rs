@@ -261,6 +261,7 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             sparse: (1..=NUM_SPARSE).map(|i| (format!("C{i}"), format!("C{i}"))).collect(),
             label: LabelColumns::One("label".into()),
             group: None,
+            weight: None,
             on_bad_row: BadRowPolicy::Fail,
             num_workers: w,
         };
@@ -283,6 +284,7 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             multi_value: Default::default(),
             label: LabelColumns::One("label".into()),
             group: None,
+            weight: None,
             on_bad_row: BadRowPolicy::Fail,
             num_workers: w,
         };

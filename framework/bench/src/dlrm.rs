@@ -282,7 +282,15 @@ pub(crate) fn make_batches(b: &DlrmBench, features: &FeatureSchema) -> Result<Ve
             let labels: Vec<f32> = (0..b.batch).map(|_| (rng.next_u64() >> 63) as f32).collect();
             let sparse = KeyedJaggedTensor::new(keys.clone(), values, None, lengths, b.batch)
                 .map_err(|e| format!("bench batch: {e}"))?;
-            Ok(Batch { dense, num_dense: b.num_dense, sparse, labels, batch_size: b.batch, groups: None })
+            Ok(Batch {
+                dense,
+                num_dense: b.num_dense,
+                sparse,
+                labels,
+                batch_size: b.batch,
+                groups: None,
+                weights: None,
+            })
         })
         .collect()
 }

@@ -48,6 +48,7 @@ pub(crate) struct ColumnKeys<'a> {
     pub sparse: &'a BTreeMap<String, String>,
     pub label: &'a LabelColumns,
     pub group: Option<&'a str>,
+    pub weight: Option<&'a str>,
 }
 
 /// The [`ColumnKeys`] of a config with fields of those names.
@@ -61,6 +62,7 @@ macro_rules! column_keys {
             sparse: &$config.sparse,
             label: &$config.label,
             group: $config.group.as_deref(),
+            weight: $config.weight.as_deref(),
         }
     };
 }
@@ -72,6 +74,7 @@ pub(crate) struct ColumnIndexes {
     pub sparse: Vec<usize>,
     pub labels: Vec<usize>,
     pub group: Option<usize>,
+    pub weight: Option<usize>,
 }
 
 impl ColumnKeys<'_> {
@@ -93,6 +96,9 @@ impl ColumnKeys<'_> {
             return Err(DataError::config("label", "name at least one label column"));
         }
         let eval_fraction = stream::eval_fraction(self.eval_fraction, !self.eval_paths.is_empty(), "eval_paths")?;
+        if self.weight.is_some_and(str::is_empty) {
+            return Err(DataError::config("weight", "weight must name a column"));
+        }
         if !self.dense_default.is_finite() {
             return Err(DataError::config("dense_default", "dense_default must be a finite number"));
         }
@@ -124,6 +130,7 @@ impl ColumnKeys<'_> {
             .map(|(i, c)| column(c, Role::Numeric, label_key(i)))
             .collect::<Result<_, _>>()?;
         let group = self.group.map(|g| column(g, Role::Ids, "group".into())).transpose()?;
-        Ok(ColumnIndexes { dense, sparse, labels, group })
+        let weight = self.weight.map(|w| column(w, Role::Numeric, "weight".into())).transpose()?;
+        Ok(ColumnIndexes { dense, sparse, labels, group, weight })
     }
 }

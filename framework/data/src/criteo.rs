@@ -210,7 +210,8 @@ impl Sampler for CriteoTsvSampler {
         let inner = Arc::clone(&self.inner);
         let parse = move |_: &mut (), chunk, stop: &AtomicBool| inner.parse_chunk(chunk, split, stop);
         let source = s.path.display().to_string();
-        Ok(stream::read_batches(&s.schema, source, chunks, s.config.num_workers, || (), parse, batch_size))
+        Ok(stream::read_batches(&s.schema, source, chunks, s.config.num_workers, || (), parse, batch_size)
+            .into_stream())
     }
 }
 

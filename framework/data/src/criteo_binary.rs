@@ -718,7 +718,7 @@ impl Sampler for CriteoBinarySampler {
         let units = row_chunks(parts, s.chunk_rows).into_iter().map(Ok);
         let inner = Arc::clone(&self.inner);
         let parse = move |open: &mut Open, c, stop: &AtomicBool| inner.parse_chunk(open, c, split, stop);
-        Ok(stream::read_batches(&s.schema, source, units, s.num_workers, || None, parse, batch_size))
+        Ok(stream::read_batches(&s.schema, source, units, s.num_workers, || None, parse, batch_size).into_stream())
     }
 }
 

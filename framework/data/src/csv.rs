@@ -110,8 +110,13 @@ pub struct CsvConfig {
     /// NDCG; its name becomes the schema's grouping key.
     #[serde(default)]
     pub group: Option<String>,
+    /// A numeric column with each row's sample weight (finite, `>= 0`): the loss is the
+    /// weighted mean of the per-example losses and every metric weighs the row by it. Unset:
+    /// every row weighs 1.
+    #[serde(default)]
+    pub weight: Option<String>,
     /// What to do with a bad row (wrong field count, open quote, bad or empty label, bad dense
-    /// value, bad integer id, empty group).
+    /// value, bad integer id, empty group, bad, empty or negative weight).
     #[serde(default = "defaults::on_bad_row")]
     pub on_bad_row: BadRowPolicy,
     /// Threads parsing the files (batches are the same for any number).
@@ -143,6 +148,7 @@ struct FilePlan {
     sparse: Vec<usize>,
     labels: Vec<usize>,
     group: Option<usize>,
+    weight: Option<usize>,
 }
 
 /// One block of lines to parse.
@@ -455,9 +461,9 @@ fn plan(files: &[PathBuf], config: &CsvConfig, delim: u8) -> Result<Vec<FilePlan
                 (cols.clone(), header, NamesFrom::Columns)
             }
         };
-        let ColumnIndexes { dense, sparse, labels, group } =
+        let ColumnIndexes { dense, sparse, labels, group, weight } =
             column_keys!(config).resolve(|name, _, key| resolve(&names, name, &key, &from))?;
-        out.push(FilePlan { path: path.clone(), header, fields: names.len(), dense, sparse, labels, group });
+        out.push(FilePlan { path: path.clone(), header, fields: names.len(), dense, sparse, labels, group, weight });
     }
     Ok(out)
 }
@@ -523,6 +529,7 @@ struct Scratch {
     dense: Vec<f32>,
     bags: Vec<Vec<i64>>,
     group: i64,
+    weight: f32,
 }
 
 impl Inner {
@@ -565,6 +572,15 @@ impl Inner {
                 }
             };
             row.dense.push(c.dense_transform.apply(v));
+        }
+        if let Some(w) = plan.weight {
+            let name = c.weight.as_deref().unwrap_or_default();
+            row.weight = match number(&fields[w]) {
+                Ok(Some(v)) if v.is_finite() && v >= 0.0 => v as f32,
+                Ok(Some(v)) => return Err(format!("weight column {name:?} is {v} (weights are finite and >= 0)")),
+                Ok(None) => return Err(format!("weight column {name:?} is empty")),
+                Err(()) => return Err(format!("weight column {name:?} is {:?}, not a number", show(&fields[w]))),
+            };
         }
         if let Some(g) = plan.group {
             if fields[g].is_empty() {
@@ -612,7 +628,8 @@ impl Inner {
     /// Parses the lines of `u` (a block of `split`'s files) that belong to this rank and `split`.
     fn parse_chunk(&self, u: Unit, split: SplitRows, stop: &AtomicBool) -> Result<RowBlock, DataError> {
         let plan = &split.files(&self.train, &self.eval)[u.file];
-        let mut block = RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some());
+        let mut block = RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some())
+            .weighted(plan.weight.is_some());
         let header = plan.header as u64;
         let mut fields = Vec::with_capacity(plan.fields);
         let mut row = Scratch::default();
@@ -641,6 +658,9 @@ impl Inner {
                     }
                     if let Some(g) = block.groups.as_mut() {
                         g.push(row.group);
+                    }
+                    if let Some(w) = block.weights.as_mut() {
+                        w.push(row.weight);
                     }
                     block.rows += 1;
                 }
@@ -678,6 +698,10 @@ impl Sampler for CsvSampler {
         &self.inner.schema
     }
 
+    fn weighted(&self) -> bool {
+        self.inner.config.weight.is_some()
+    }
+
     /// Rows in file and line order; `epoch` does not change the order.
     fn batches(&self, split: Split, _epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
         let s = &self.inner;
@@ -699,7 +723,9 @@ impl Sampler for CsvSampler {
         };
         let inner = Arc::clone(&self.inner);
         let parse = move |_: &mut (), u, stop: &AtomicBool| inner.parse_chunk(u, split, stop);
-        Ok(stream::read_batches(&s.schema, source, units, s.config.num_workers, || (), parse, batch_size))
+        Ok(stream::read_batches(&s.schema, source, units, s.config.num_workers, || (), parse, batch_size)
+            .weighted(s.config.weight.is_some())
+            .into_stream())
     }
 }
 
@@ -1000,6 +1026,8 @@ mod tests {
         assert_eq!(key, "label[1]");
         let (key, _) = key_of(CsvConfig { group: Some("sesion".into()), ..mapping_config() }, &c);
         assert_eq!(key, "group");
+        let (key, _) = key_of(CsvConfig { weight: Some("wieght".into()), ..mapping_config() }, &c);
+        assert_eq!(key, "weight");
         let (key, msg) = key_of(CsvConfig { integer_ids: vec!["usr".into()], ..mapping_config() }, &c);
         assert_eq!(key, "integer_ids[0]");
         assert_eq!(
@@ -1284,5 +1312,32 @@ mod tests {
         assert_eq!((n, clicks), (8087 + 432, 1397.0 + 80.0));
         let (n, clicks, distinct, ..) = avazu_totals(&s, Split::Eval, rows);
         assert_eq!((n, clicks, distinct[4]), (480, 86.0, 87));
+    }
+
+    /// A weight column reaches the batches row for row; a negative, empty or non-numeric
+    /// weight is a bad row (skipped, or an error naming file:line).
+    #[test]
+    fn a_weight_column_weighs_each_row() {
+        let dir = temp_dir("weights");
+        let text = "click,w,user\n1,0.5,a\n0,2,b\n1,-1,c\n0,,d\n1,x,e\n0,0,f\n1,3.25,g\n";
+        std::fs::write(dir.join("data/w.csv"), text).unwrap();
+        let mut config = base(&["data/w.csv"], "click");
+        config.sparse = [("user".to_string(), "user".to_string())].into();
+        config.weight = Some("w".into());
+        let s = CsvSampler::build(config.clone(), &ctx(&dir, &["user"], ROWS)).unwrap();
+        assert!(s.weighted());
+        let batches: Vec<Batch> = s.batches(Split::Train, 0, 3).unwrap().map(Result::unwrap).collect();
+        let weights: Vec<f32> = batches.iter().flat_map(|b| b.weights.clone().unwrap()).collect();
+        let labels: Vec<f32> = batches.iter().flat_map(|b| b.labels.clone()).collect();
+        assert_eq!(weights, [0.5, 2.0, 0.0, 3.25]);
+        assert_eq!(labels, [1.0, 0.0, 0.0, 1.0]);
+        assert!(batches.iter().all(|b| b.weights.as_ref().unwrap().len() == b.batch_size));
+        config.on_bad_row = BadRowPolicy::Fail;
+        let s = CsvSampler::build(config, &ctx(&dir, &["user"], ROWS)).unwrap();
+        let err = s.batches(Split::Train, 0, 3).unwrap().find_map(Result::err).unwrap().to_string();
+        assert!(err.ends_with("w.csv:4: weight column \"w\" is -1 (weights are finite and >= 0)"), "{err}");
+        let unweighted = CsvSampler::build(base(&["data/w.csv"], "click"), &ctx(&dir, &[], ROWS)).unwrap();
+        assert!(!unweighted.weighted());
+        assert!(unweighted.batches(Split::Train, 0, 3).unwrap().all(|b| b.unwrap().weights.is_none()));
     }
 }

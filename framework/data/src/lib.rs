@@ -57,6 +57,10 @@ pub struct Batch {
     /// ([`FeatureSchema::grouping_key`]): grouped AUC, NDCG and session recall rank within
     /// these groups.
     pub groups: Option<Vec<i64>>,
+    /// A weight per example (finite, `>= 0`) when the sampler reads one
+    /// ([`Sampler::weighted`]): the loss is the weighted mean of the per-example losses and every
+    /// metric weighs the example by it. `None`: every example weighs 1.
+    pub weights: Option<Vec<f32>>,
 }
 
 pub use trainrec_types::Split;
@@ -126,6 +130,13 @@ pub trait Sampler: Send + Sync {
     /// every batch returns `read`. The same world size always resumes exactly.
     fn resume_offset(&self, read: u64, old_world: usize, new_world: usize) -> u64 {
         read * old_world as u64 / new_world.max(1) as u64
+    }
+
+    /// Whether every batch carries [`Batch::weights`] (a recipe's weight column or option):
+    /// the job then sums the weights across ranks for the loss's denominator. A sampler that
+    /// says `false` must produce no weights.
+    fn weighted(&self) -> bool {
+        false
     }
 }
 

@@ -409,7 +409,15 @@ impl Inner {
         let labels = order.iter().map(|&i| self.label(rows[i as usize].rating)).collect();
         let groups = order.iter().map(|&i| rows[i as usize].user).collect();
         let sparse = KeyedJaggedTensor::new(self.schema.sparse.clone(), values, None, vec![1; 2 * n], n)?;
-        Ok(Batch { dense: Vec::new(), num_dense: 0, sparse, labels, batch_size: n, groups: Some(groups) })
+        Ok(Batch {
+            dense: Vec::new(),
+            num_dense: 0,
+            sparse,
+            labels,
+            batch_size: n,
+            groups: Some(groups),
+            weights: None,
+        })
     }
 }
 

@@ -98,7 +98,13 @@ pub struct ParquetConfig {
     /// NDCG; its name becomes the schema's grouping key.
     #[serde(default)]
     pub group: Option<String>,
-    /// What to do with a bad row (null or non-finite label, non-finite dense value, null group).
+    /// A numeric column with each row's sample weight (finite, `>= 0`): the loss is the
+    /// weighted mean of the per-example losses and every metric weighs the row by it. Unset:
+    /// every row weighs 1.
+    #[serde(default)]
+    pub weight: Option<String>,
+    /// What to do with a bad row (null or non-finite label, non-finite dense value, null group,
+    /// null, negative or non-finite weight).
     #[serde(default = "defaults::on_bad_row")]
     pub on_bad_row: BadRowPolicy,
     /// Threads reading row groups (batches are the same for any number).
@@ -123,6 +129,7 @@ struct FilePlan {
     sparse: Vec<usize>,
     labels: Vec<usize>,
     group: Option<usize>,
+    weight: Option<usize>,
     row_groups: Vec<u64>,
 }
 
@@ -296,7 +303,7 @@ fn plan(files: &[PathBuf], config: &ParquetConfig) -> Result<Vec<FilePlan>, Data
         let reader = open_file(path)?;
         let meta = reader.metadata();
         let schema = meta.file_metadata().schema_descr();
-        let ColumnIndexes { dense, sparse, labels, group } =
+        let ColumnIndexes { dense, sparse, labels, group, weight } =
             column_keys!(config).resolve(|name, role, key| resolve(schema, name, role, &key, path))?;
         if let (Some(leaf), Some(g)) = (group, &config.group) {
             if schema.column(leaf).max_rep_level() > 0 {
@@ -307,7 +314,7 @@ fn plan(files: &[PathBuf], config: &ParquetConfig) -> Result<Vec<FilePlan>, Data
             }
         }
         let row_groups = meta.row_groups().iter().map(|rg| rg.num_rows().max(0) as u64).collect();
-        out.push(FilePlan { path: path.clone(), dense, sparse, labels, group, row_groups });
+        out.push(FilePlan { path: path.clone(), dense, sparse, labels, group, weight, row_groups });
     }
     Ok(out)
 }
@@ -554,7 +561,8 @@ impl Inner {
         let mut sparse_cols = Vec::with_capacity(plan.sparse.len());
         for &leaf in &plan.sparse {
             if stop.load(Ordering::Relaxed) {
-                return Ok(RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some()));
+                return Ok(RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some())
+                    .weighted(plan.weight.is_some()));
             }
             sparse_cols.push(read(leaf)?.bags(rows));
         }
@@ -562,8 +570,13 @@ impl Inner {
             Some(leaf) => Some(read(leaf)?.scalar_ids(rows)),
             None => None,
         };
+        let weight_col = match plan.weight {
+            Some(leaf) => Some(read(leaf)?.scalars(rows)),
+            None => None,
+        };
         let c = &self.config;
-        let mut block = RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some());
+        let mut block = RowBlock::new(plan.dense.len(), plan.labels.len(), plan.sparse.len(), plan.group.is_some())
+            .weighted(plan.weight.is_some());
         'rows: for r in 0..rows {
             if !split.keeps(u.first_row + r as u64 + 1) {
                 continue;
@@ -591,6 +604,14 @@ impl Inner {
             if problem.is_none() && group_col.as_ref().is_some_and(|g| g[r].is_none()) {
                 problem = Some(format!("group column {:?} is null", c.group.as_deref().unwrap_or_default()));
             }
+            if problem.is_none()
+                && let Some(w) = weight_col.as_ref().map(|w| w[r])
+                && !w.is_some_and(|v| v.is_finite() && v >= 0.0)
+            {
+                let name = c.weight.as_deref().unwrap_or_default();
+                let value = w.map_or("null".into(), |v| v.to_string());
+                problem = Some(format!("weight column {name:?} is {value} (weights are finite and >= 0)"));
+            }
             if let Some(message) = problem {
                 let location = format!("row group {}, row {r}", u.row_group);
                 block.bad_row(c.on_bad_row, || DataError::BadRecord { file: plan.path.clone(), location, message })?;
@@ -610,6 +631,9 @@ impl Inner {
             if let (Some(g), Some(col)) = (block.groups.as_mut(), group_col.as_ref()) {
                 g.push(col[r].unwrap_or_default());
             }
+            if let (Some(w), Some(col)) = (block.weights.as_mut(), weight_col.as_ref()) {
+                w.push(col[r].unwrap_or_default() as f32);
+            }
             block.rows += 1;
         }
         Ok(block)
@@ -626,6 +650,10 @@ impl Sampler for ParquetSampler {
         &self.inner.schema
     }
 
+    fn weighted(&self) -> bool {
+        self.inner.config.weight.is_some()
+    }
+
     /// Rows in file and row-group order; `epoch` does not change the order.
     fn batches(&self, split: Split, _epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
         let s = &self.inner;
@@ -635,7 +663,9 @@ impl Sampler for ParquetSampler {
         let work = units(plans, s.shard).into_iter().map(Ok);
         let inner = Arc::clone(&self.inner);
         let read = move |open: &mut OpenFile, u, stop: &AtomicBool| inner.read_unit(open, u, split, stop);
-        Ok(stream::read_batches(&s.schema, source, work, s.config.num_workers, || None, read, batch_size))
+        Ok(stream::read_batches(&s.schema, source, work, s.config.num_workers, || None, read, batch_size)
+            .weighted(s.config.weight.is_some())
+            .into_stream())
     }
 }
 
@@ -808,6 +838,7 @@ mod tests {
                 .collect(),
             label: LabelColumns::One("click".into()),
             group: Some("session".into()),
+            weight: None,
             on_bad_row: BadRowPolicy::Skip,
             num_workers: 1,
         }
@@ -884,6 +915,37 @@ mod tests {
         assert_eq!(b.batch_size, 60);
         assert_eq!(&b.labels[6..8], &[0.0, 3.0]);
         assert_eq!(b.dense[3], (4f64).ln() as f32);
+    }
+
+    /// A weight column reaches the batches row for row; a null weight is a bad row.
+    #[test]
+    fn a_weight_column_weighs_each_row() {
+        let dir = data_dir("weights");
+        // `price` is `0.5 i`, null when i % 5 == 0; `age` (a dense feature) is `i`.
+        let s = ParquetSampler::build(ParquetConfig { weight: Some("price".into()), ..config() }, &ctx(&dir)).unwrap();
+        assert!(s.weighted());
+        let mut seen = Vec::new();
+        for b in s.batches(Split::Train, 0, 7).unwrap() {
+            let b = b.unwrap();
+            let w = b.weights.as_ref().expect("weights");
+            assert_eq!(w.len(), b.batch_size);
+            for (r, &w) in w.iter().enumerate() {
+                let i = b.dense[r * b.num_dense + 1];
+                assert_eq!(w, 0.5 * i, "row {i}");
+                seen.push(i as i64);
+            }
+        }
+        let want: Vec<i64> = (0..60).filter(|&i| i != 13 && i % 5 != 0).collect();
+        assert_eq!(seen, want);
+        let failing = ParquetConfig { weight: Some("price".into()), on_bad_row: BadRowPolicy::Fail, ..config() };
+        let s = ParquetSampler::build(failing, &ctx(&dir)).unwrap();
+        let err = s.batches(Split::Train, 0, 7).unwrap().find_map(Result::err).unwrap().to_string();
+        assert!(
+            err.ends_with("row group 0, row 0: weight column \"price\" is null (weights are finite and >= 0)"),
+            "{err}"
+        );
+        let unknown = ParquetSampler::build(ParquetConfig { weight: Some("prize".into()), ..config() }, &ctx(&dir));
+        assert!(matches!(unknown, Err(DataError::Config { ref key, .. }) if key == "weight"), "{unknown:?}");
     }
 
     #[test]

@@ -353,6 +353,8 @@ pub struct RowBlock {
     pub bags: Vec<Bags>,
     /// A grouping key per row, when the source has one.
     pub groups: Option<Vec<i64>>,
+    /// A weight per row, when the source has a weight column ([`RowBlock::weighted`]).
+    pub weights: Option<Vec<f32>>,
     /// Rows in the block.
     pub rows: usize,
     /// Bad rows skipped while parsing the chunk.
@@ -371,6 +373,12 @@ impl RowBlock {
             groups: grouped.then(Vec::new),
             ..Default::default()
         }
+    }
+
+    /// This block with a weight per row (`weighted`), or without.
+    pub fn weighted(mut self, weighted: bool) -> Self {
+        self.weights = weighted.then(Vec::new);
+        self
     }
 
     /// Records a skipped bad row (`what` names its location and the problem).
@@ -407,6 +415,7 @@ pub struct Batcher<I> {
     num_dense: usize,
     num_labels: usize,
     grouped: bool,
+    weighted: bool,
     batch_size: usize,
     current: Option<(RowBlock, usize, Vec<usize>)>,
     log: BadRowLog,
@@ -430,11 +439,19 @@ impl<I: Iterator<Item = Result<RowBlock, DataError>> + Send + 'static> Batcher<I
             num_dense,
             num_labels,
             grouped,
+            weighted: false,
             batch_size: batch_size.max(1),
             current: None,
             log: BadRowLog { source: source.into(), skipped: 0, logged: 0 },
             done: false,
         }
+    }
+
+    /// This batcher expecting a weight per row in every block (`weighted`), as the batches'
+    /// [`Batch::weights`].
+    pub fn weighted(mut self, weighted: bool) -> Self {
+        self.weighted = weighted;
+        self
     }
 
     /// This batcher as a [`BatchStream`].
@@ -462,6 +479,7 @@ impl<I: Iterator<Item = Result<RowBlock, DataError>> + Send + 'static> Batcher<I
         let mut dense = Vec::with_capacity(self.batch_size * self.num_dense);
         let mut labels = Vec::with_capacity(self.batch_size * self.num_labels);
         let mut groups = self.grouped.then(|| Vec::with_capacity(self.batch_size));
+        let mut weights = self.weighted.then(|| Vec::with_capacity(self.batch_size));
         let mut values: Vec<Vec<i64>> = vec![Vec::new(); nk];
         let mut lengths: Vec<Vec<u32>> = vec![Vec::with_capacity(self.batch_size); nk];
         let mut n = 0;
@@ -488,6 +506,7 @@ impl<I: Iterator<Item = Result<RowBlock, DataError>> + Send + 'static> Batcher<I
                             || block.num_labels != self.num_labels
                             || block.bags.len() != nk
                             || block.groups.is_some() != self.grouped
+                            || block.weights.is_some() != self.weighted
                         {
                             self.done = true;
                             return Some(Err(DataError::Reader("a parsed block does not match the schema".into())));
@@ -504,6 +523,9 @@ impl<I: Iterator<Item = Result<RowBlock, DataError>> + Send + 'static> Batcher<I
             labels.extend_from_slice(&block.labels[a * self.num_labels..b * self.num_labels]);
             if let (Some(g), Some(bg)) = (groups.as_mut(), block.groups.as_ref()) {
                 g.extend_from_slice(&bg[a..b]);
+            }
+            if let (Some(w), Some(bw)) = (weights.as_mut(), block.weights.as_ref()) {
+                w.extend_from_slice(&bw[a..b]);
             }
             for (k, bags) in block.bags.iter().enumerate() {
                 let lens = &bags.lengths[a..b];
@@ -526,6 +548,7 @@ impl<I: Iterator<Item = Result<RowBlock, DataError>> + Send + 'static> Batcher<I
             labels,
             batch_size: n,
             groups,
+            weights,
         }))
     }
 }
@@ -630,7 +653,7 @@ impl SplitRows {
 /// The batches of one pass, read in parallel: [`ordered_map`] runs `parse` over `units` on
 /// `num_workers` threads (each with its own state from `init`) and a [`Batcher`] cuts the
 /// blocks, in unit order, into batches of `batch_size` with `schema`'s features (`source` names
-/// the data in the skipped-rows log).
+/// the data in the skipped-rows log); [`Batcher::into_stream`] makes it a [`BatchStream`].
 pub fn read_batches<U, S, I, F>(
     schema: &FeatureSchema,
     source: String,
@@ -639,7 +662,7 @@ pub fn read_batches<U, S, I, F>(
     init: impl Fn() -> S + Send + Sync + 'static,
     parse: F,
     batch_size: usize,
-) -> BatchStream
+) -> Batcher<Ordered<RowBlock>>
 where
     U: Send + 'static,
     S: 'static,
@@ -648,7 +671,7 @@ where
 {
     let blocks = ordered_map(units, num_workers, init, parse);
     let (num_dense, num_labels, grouped) = (schema.num_dense, schema.labels.len(), schema.grouping_key.is_some());
-    Batcher::new(blocks, source, schema.sparse.clone(), num_dense, num_labels, grouped, batch_size).into_stream()
+    Batcher::new(blocks, source, schema.sparse.clone(), num_dense, num_labels, grouped, batch_size)
 }
 
 /// A stable 64-bit hash of bytes (FNV-1a, then a SplitMix64 finalizer): string ids hash to the

@@ -91,6 +91,11 @@ pub struct SyntheticConfig {
     /// are related but not equal) and is rarer.
     #[serde(default = "defaults::labels")]
     pub labels: Vec<String>,
+    /// Sample weights: `[low, high]` gives every example a weight drawn uniformly from that
+    /// range (`0 <= low <= high`, finite), which the loss and the metrics weigh it by. Unset:
+    /// batches carry no weights (every example weighs 1).
+    #[serde(default)]
+    pub weight_range: Option<[f64; 2]>,
 }
 
 mod defaults {
@@ -249,6 +254,14 @@ impl SyntheticSampler {
         }
         if config.ids == IdDistribution::Zipf && !(config.zipf_alpha.is_finite() && config.zipf_alpha > 0.0) {
             return Err(bad("zipf_alpha", format!("zipf_alpha must be positive, found {}", config.zipf_alpha)));
+        }
+        if let Some([low, high]) = config.weight_range
+            && !(low.is_finite() && high.is_finite() && 0.0 <= low && low <= high)
+        {
+            return Err(bad(
+                "weight_range",
+                format!("weight_range must be [low, high] with 0 <= low <= high, found [{low}, {high}]"),
+            ));
         }
         if !config.signal.is_finite() || config.signal < 0.0 {
             return Err(bad("signal", format!("signal must be >= 0, found {}", config.signal)));
@@ -421,6 +434,10 @@ impl SyntheticSampler {
                 labels.push(if rng.random::<f64>() < prob { 1.0 } else { 0.0 });
             }
         }
+        // Drawn after the labels, so a weighted stream has the unweighted one's examples.
+        let weights = self.config.weight_range.map(|[low, high]| {
+            (0..n).map(|_| if low < high { rng.random_range(low..=high) as f32 } else { low as f32 }).collect()
+        });
         let groups = self.config.session_size.map(|s| (start..start + n as u64).map(|i| (i / s) as i64).collect());
         let sparse = if self.config.dedup {
             match sparse.dedup() {
@@ -430,13 +447,17 @@ impl SyntheticSampler {
         } else {
             sparse
         };
-        Some(Ok(Batch { dense, num_dense: nd, sparse, labels, batch_size: n, groups }))
+        Some(Ok(Batch { dense, num_dense: nd, sparse, labels, batch_size: n, groups, weights }))
     }
 }
 
 impl Sampler for SyntheticSampler {
     fn schema(&self) -> &FeatureSchema {
         &self.schema
+    }
+
+    fn weighted(&self) -> bool {
+        self.config.weight_range.is_some()
     }
 
     fn batches(&self, split: Split, epoch: u64, batch_size: usize) -> Result<BatchStream, DataError> {
@@ -505,6 +526,36 @@ mod tests {
         assert!(differ > n / 10, "{differ} of {n} differ");
     }
 
+    /// `weight_range` adds a weight per example in the range, drawn after everything else:
+    /// the examples are the unweighted sampler's.
+    #[test]
+    fn weights_are_drawn_in_their_range_after_the_examples() {
+        let build = |weight_range| {
+            let config = SyntheticConfig { weight_range, train_samples: 3000, ..serde_json_default() };
+            let feature_rows = config.sparse_features.iter().map(|f| (f.clone(), 100)).collect();
+            SyntheticSampler::build(config, &SamplerContext { feature_rows, seed: 7, ..Default::default() }).unwrap()
+        };
+        let (plain, weighted, constant) = (build(None), build(Some([0.5, 2.0])), build(Some([3.0, 3.0])));
+        assert!(!plain.weighted() && weighted.weighted());
+        let (mut low, mut high) = (f32::MAX, f32::MIN);
+        for ((a, b), c) in plain
+            .batches(Split::Train, 1, 512)
+            .unwrap()
+            .zip(weighted.batches(Split::Train, 1, 512).unwrap())
+            .zip(constant.batches(Split::Train, 1, 512).unwrap())
+        {
+            let (a, b, c) = (a.unwrap(), b.unwrap(), c.unwrap());
+            assert!(a.weights.is_none());
+            assert_eq!((&a.dense, &a.labels, a.sparse.values()), (&b.dense, &b.labels, b.sparse.values()));
+            let w = b.weights.unwrap();
+            assert_eq!(w.len(), b.batch_size);
+            low = w.iter().copied().fold(low, f32::min);
+            high = w.iter().copied().fold(high, f32::max);
+            assert!(c.weights.unwrap().iter().all(|&w| w == 3.0));
+        }
+        assert!((0.5..0.52).contains(&low) && (1.98..=2.0).contains(&high), "{low}..{high}");
+    }
+
     #[test]
     fn bad_label_and_session_options() {
         let rows = |c: &SyntheticConfig| c.sparse_features.iter().map(|f| (f.clone(), 100)).collect();
@@ -512,6 +563,9 @@ mod tests {
             (SyntheticConfig { labels: vec![], ..serde_json_default() }, "labels"),
             (SyntheticConfig { labels: vec!["a".into(), "a".into()], ..serde_json_default() }, "labels"),
             (SyntheticConfig { session_size: Some(0), ..serde_json_default() }, "session_size"),
+            (SyntheticConfig { weight_range: Some([-1.0, 1.0]), ..serde_json_default() }, "weight_range"),
+            (SyntheticConfig { weight_range: Some([2.0, 1.0]), ..serde_json_default() }, "weight_range"),
+            (SyntheticConfig { weight_range: Some([0.0, f64::INFINITY]), ..serde_json_default() }, "weight_range"),
         ] {
             let ctx = SamplerContext { feature_rows: rows(&config), ..Default::default() };
             match SyntheticSampler::build(config, &ctx) {

@@ -29,6 +29,18 @@ pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
     (outputs, keys)
 }
 
+/// Each of the job's tasks' `loss_weight` (as [`job_tasks`] lists them), or `None` when
+/// every one is 1 (the plain sum of the tasks' losses).
+pub fn task_loss_weights(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Option<Vec<f64>> {
+    let weights: Vec<f64> = recipe
+        .tasks
+        .iter()
+        .filter(|t| features.labels.iter().any(|l| l == t.label_column()))
+        .map(|t| t.loss_weight)
+        .collect();
+    weights.iter().any(|&w| w != 1.0).then_some(weights)
+}
+
 /// The job's tasks: (name, index of its label column in the sampler's labels). Without
 /// `[[tasks]]`, one task per label column. A task whose column is unknown is left out (and
 /// reported by `check_loaded`).
@@ -55,6 +67,10 @@ pub(crate) struct BatchLayout {
     pub num_labels: usize,
     /// (name, label column) per task.
     pub tasks: Vec<(String, usize)>,
+    /// Each task's `loss_weight`, when one is not 1 (`None`: every task weighs 1).
+    pub task_loss_weights: Option<Vec<f64>>,
+    /// Whether the sampler gives every batch its sample weights ([`trainrec_data::Sampler::weighted`]).
+    pub weighted: bool,
     /// The dense model's device.
     pub device: Device,
 }

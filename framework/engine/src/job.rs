@@ -206,6 +206,7 @@ impl Job {
         let mut mc = McTables::new(&recipe, &plan)?;
         mc.attach(&mut sparse, &recipe, &plan)?;
         let recipe_pipeline_kind = recipe.pipeline.kind;
+        let (task_loss_weights, weighted) = (crate::inputs::task_loss_weights(&recipe, features), sampler.weighted());
         Ok(Self {
             recipe,
             resolved_toml,
@@ -215,7 +216,14 @@ impl Job {
             sync,
             model,
             dense_opt,
-            layout: BatchLayout { num_dense: features.num_dense, num_labels: features.labels.len(), tasks, device },
+            layout: BatchLayout {
+                num_dense: features.num_dense,
+                num_labels: features.labels.len(),
+                tasks,
+                task_loss_weights,
+                weighted,
+                device,
+            },
             plugin_metrics,
             plan,
             retrieval,

@@ -168,6 +168,7 @@ impl Job {
             labels: Vec::new(),
             batch_size: 0,
             groups: None,
+            weights: self.sampler.weighted().then(Vec::new),
         })
     }
 
@@ -262,23 +263,37 @@ impl Job {
         let groups = sync.gather(batch.groups.as_deref().unwrap_or_default())?;
         let n = labels.len() / self.layout.num_labels.max(1);
         let groups = (n > 0 && groups.len() == n).then_some(groups);
-        self.feed_parts(suites, &probs, &labels, groups.as_deref(), n)?;
+        // Every rank gathers (a weighted sampler's batches all carry weights).
+        let weights = match self.layout.weighted {
+            true => Some(sync.gather(batch.weights.as_deref().unwrap_or_default())?),
+            false => None,
+        };
+        let weights = weights.filter(|w| w.len() == n);
+        self.feed_parts(suites, &probs, &labels, groups.as_deref(), weights.as_deref(), n)?;
         Ok(n)
     }
 
     /// Feeds one batch's predictions `[batch, tasks]` to each task's suite.
     fn feed(&self, suites: &mut [MetricSuite], probs: &[f32], batch: &Batch) -> Result<(), EngineError> {
-        self.feed_parts(suites, probs, &batch.labels, batch.groups.as_deref(), batch.batch_size)
+        self.feed_parts(
+            suites,
+            probs,
+            &batch.labels,
+            batch.groups.as_deref(),
+            batch.weights.as_deref(),
+            batch.batch_size,
+        )
     }
 
     /// [`Self::feed`] from the parts: `n` examples' predictions `[n, tasks]`, label columns
-    /// `[n, num_labels]` and grouping keys.
+    /// `[n, num_labels]`, grouping keys and sample weights.
     fn feed_parts<'a>(
         &self,
         suites: &mut [MetricSuite],
         probs: &'a [f32],
         all_labels: &'a [f32],
         groups: Option<&'a [i64]>,
+        weights: Option<&'a [f32]>,
         n: usize,
     ) -> Result<(), EngineError> {
         let t_count = self.layout.tasks.len();
@@ -289,7 +304,7 @@ impl Job {
         for (t, (suite, &(_, col))) in suites.iter_mut().zip(&self.layout.tasks).enumerate() {
             let predictions = column(probs, t_count, t);
             let labels = column(all_labels, self.layout.num_labels, col);
-            let input = TaskBatch { predictions: &predictions, labels: &labels, weights: None, groups };
+            let input = TaskBatch { predictions: &predictions, labels: &labels, weights, groups };
             suite.update_batch(&input)?;
         }
         Ok(())

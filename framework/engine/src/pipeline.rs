@@ -182,7 +182,27 @@ impl Pipeline {
         let (dense, sparse, labels, mut ctx) = tensors(layout, arch, batch, staged)?;
         let sparse = sparse.set_requires_grad(true);
         let ids = batch.sparse.full_batch()?;
-        let mut dense_parts = DenseParts { model, opt, sync, tasks: layout.tasks.len(), clipping };
+        // Sample weights, and the sum of the global batch's (the loss's denominator): summed
+        // across ranks here, before the stage thread may run collectives of its own.
+        let weights = match &batch.weights {
+            Some(w) => {
+                let local: f64 = w.iter().map(|&x| f64::from(x)).sum();
+                let total = match sync {
+                    Some(sync) if ctx.batch_sizes.is_some() => sync.gather(&[local])?.iter().sum(),
+                    _ => local,
+                };
+                Some((Tensor::from_slice(w).to_device(layout.device), total))
+            }
+            None => None,
+        };
+        let mut dense_parts = DenseParts {
+            model,
+            opt,
+            sync,
+            tasks: layout.tasks.len(),
+            task_loss_weights: layout.task_loss_weights.as_deref(),
+            clipping,
+        };
         let prefetch = self.kind == PipelineKind::PrefetchSparseDist;
         let stage = match (ahead, &mut *arch) {
             (Some(next), SparseArch::Train(engine)) if prefetch || engine.stages_ahead() => {
@@ -200,9 +220,7 @@ impl Pipeline {
             let dense_part = {
                 let _span = tracing::debug_span!("dense").entered();
                 dense_parts.forward_backward(
-                    &dense,
-                    &sparse,
-                    &labels,
+                    StepTensors { dense: &dense, sparse: &sparse, labels: &labels, weights: weights.as_ref() },
                     &ids,
                     ctx.batch_sizes.as_deref(),
                     batch,
@@ -263,6 +281,20 @@ pub(crate) fn tensors(
             ),
         }));
     }
+    match &batch.weights {
+        Some(w) if !layout.weighted || w.len() != batch.batch_size => {
+            return Err(inconsistent(format!(
+                "the sampler produced {} sample weights for a batch of {} (it says it is {}weighted)",
+                w.len(),
+                batch.batch_size,
+                if layout.weighted { "" } else { "not " }
+            )));
+        }
+        None if layout.weighted => {
+            return Err(inconsistent("the sampler says it is weighted but produced a batch without weights".into()));
+        }
+        _ => {}
+    }
     let device = layout.device;
     let mut ctx = staged.unwrap_or_default();
     let (dense, sparse, labels) = match arch.gpu() {
@@ -286,6 +318,11 @@ pub(crate) fn tensors(
         labels.f_index_select(1, &Tensor::from_slice(&columns).to_device(device))?
     };
     Ok((dense, sparse, labels, ctx))
+}
+
+/// A data error for a batch that does not match what its sampler declared.
+fn inconsistent(message: String) -> EngineError {
+    EngineError::Data(trainrec_data::DataError::Config { key: String::new(), message })
 }
 
 /// A one-GPU job's dense features, pooled embeddings and labels on the GPU: the batch's
@@ -351,7 +388,19 @@ struct DenseParts<'a> {
     opt: &'a mut DenseOptimizer,
     sync: Option<&'a DataParallel>,
     tasks: usize,
+    /// Each task's weight in the loss (`None`: all 1).
+    task_loss_weights: Option<&'a [f64]>,
     clipping: Option<&'a trainrec_types::DenseClipping>,
+}
+
+/// One batch's tensors for the dense part of a step: dense features, pooled embeddings (a leaf
+/// that receives its gradient), the tasks' labels and, with sample weights, the weights and the
+/// global batch's weight sum.
+struct StepTensors<'a> {
+    dense: &'a Tensor,
+    sparse: &'a Tensor,
+    labels: &'a Tensor,
+    weights: Option<&'a (Tensor, f64)>,
 }
 
 impl DenseParts<'_> {
@@ -359,18 +408,23 @@ impl DenseParts<'_> {
     /// leaf that receives its gradient), with no collective: the loss (this rank's share of
     /// the global batch's across ranks), the logits when they are wanted, and the examples of
     /// the global batch. [`DenseParts::finish`] sums the gradients and updates.
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// The loss of the built-in objective is the sum over tasks of `loss_weight` times the
+    /// task's mean binary cross-entropy; with sample weights that mean is weighted,
+    /// `Σ w_i l_i / Σ w_i` over the global batch (0 when every weight is 0).
     fn forward_backward(
         &mut self,
-        dense: &Tensor,
-        sparse: &Tensor,
-        labels: &Tensor,
+        t: StepTensors<'_>,
         ids: &trainrec_sparse::KeyedJaggedTensor,
         batch_sizes: Option<&[usize]>,
         batch: &Batch,
         want_predictions: bool,
     ) -> Result<(f64, Option<Tensor>, usize), EngineError> {
-        let input = LossInput { dense, sparse, labels, ids };
+        let StepTensors { dense, sparse, labels, weights } = t;
+        let input = LossInput { dense, sparse, labels, ids, weights: weights.map(|(w, _)| w) };
+        // With sample weights the built-in loss is already this rank's share of the global
+        // batch's (its denominator is the global weight sum).
+        let mut global_share = false;
         let (loss, logits) = match self.model.loss(&input) {
             // The model's own objective; predictions (for training metrics) are its scores.
             Some(loss) => {
@@ -379,15 +433,46 @@ impl DenseParts<'_> {
             }
             None => {
                 let logits = self.model.forward(dense, sparse, true);
-                // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
-                let loss = logits.binary_cross_entropy_with_logits::<Tensor>(labels, None, None, tch::Reduction::Mean)
-                    * self.tasks as f64;
+                let loss = match (weights, self.task_loss_weights) {
+                    // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
+                    (None, None) => {
+                        logits.binary_cross_entropy_with_logits::<Tensor>(labels, None, None, tch::Reduction::Mean)
+                            * self.tasks as f64
+                    }
+                    _ => {
+                        let per =
+                            logits.binary_cross_entropy_with_logits::<Tensor>(labels, None, None, tch::Reduction::None);
+                        let per = match self.task_loss_weights {
+                            Some(tw) => {
+                                per * Tensor::from_slice(tw)
+                                    .to_kind(Kind::Float)
+                                    .to_device(logits.device())
+                                    .view([1, -1])
+                            }
+                            None => per,
+                        };
+                        // [batch]: each example's loss summed over tasks.
+                        let per_example = per.sum_dim_intlist(1, false, Kind::Float);
+                        match weights {
+                            Some((w, total)) => {
+                                global_share = true;
+                                let sum = (per_example * w).sum(Kind::Float);
+                                if *total > 0.0 { sum / *total } else { sum * 0.0 }
+                            }
+                            None => per_example.mean(Kind::Float),
+                        }
+                    }
+                };
                 (loss, Some(logits))
             }
         };
         self.opt.zero_grad();
         let examples = batch_sizes.map_or(batch.batch_size, |s| s.iter().sum());
         let loss_value = match (self.sync, batch_sizes) {
+            (Some(_), Some(_)) if global_share => {
+                loss.backward();
+                loss.double_value(&[])
+            }
             (Some(_), Some(sizes)) => {
                 // This rank's share of the global batch's loss: after the sum across ranks the
                 // gradients are the global batch's (see the `sharding` crate).

@@ -77,6 +77,9 @@ pub struct LossInput<'a> {
     /// The batch's ids, for objectives that need them (sampling-bias correction, masking
     /// repeated candidates).
     pub ids: &'a trainrec_sparse::KeyedJaggedTensor,
+    /// Sample weights `[batch]` when the data has them: an objective weighs each example's
+    /// loss by its weight (a weighted mean).
+    pub weights: Option<&'a Tensor>,
 }
 
 /// A model that embeds queries and candidates separately, so candidates can be ranked for a

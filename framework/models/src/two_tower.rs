@@ -230,7 +230,16 @@ impl DenseModel for TwoTower {
             logits = logits.masked_fill(&mask, f64::NEG_INFINITY);
         }
         let target = Tensor::arange(p, (Kind::Int64, device));
-        Some(logits.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Mean, -100, 0.0))
+        match input.weights {
+            // Sample weights: the positives' losses weighed by their examples' weights.
+            Some(w) => {
+                let w = w.index_select(0, &rows);
+                let per = logits.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::None, -100, 0.0);
+                let total = w.sum(Kind::Float);
+                Some((per * &w).sum(Kind::Float) / total.clamp_min(f64::MIN_POSITIVE))
+            }
+            None => Some(logits.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Mean, -100, 0.0)),
+        }
     }
 
     fn retrieval(&self) -> Option<&dyn Retrieval> {
@@ -381,12 +390,19 @@ mod tests {
         let labels = Tensor::from_slice(&[1.0f32, 0.0, 1.0]).view([3, 1]);
         let dense = Tensor::zeros([3, 0], (Kind::Float, tch::Device::Cpu));
         let ids = kjt(&[10, 11, 12]);
-        let loss = m.loss(&LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &ids }).unwrap();
+        let loss =
+            m.loss(&LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &ids, weights: None }).unwrap();
         // Positives: q0 = (1,0), c0 = (1,1); q2 = (0,2), c2 = (0.5,0). Logits / 0.5:
         // row 0: [1, 0.5] / 0.5 = [2, 1]; row 1: [2, 0] / 0.5 = [4, 0].
         let ce = |row: [f64; 2], t: usize| -(row[t] - (row[0].exp() + row[1].exp()).ln());
         let want = (ce([2.0, 1.0], 0) + ce([4.0, 0.0], 1)) / 2.0;
         assert!((loss.double_value(&[]) - want).abs() < 1e-6, "{} vs {want}", loss.double_value(&[]));
+        // Sample weights 3, 7 (a negative: unused), 1: the positives' weighted mean.
+        let w = Tensor::from_slice(&[3.0f32, 7.0, 1.0]);
+        let input = LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &ids, weights: Some(&w) };
+        let weighted = m.loss(&input).unwrap().double_value(&[]);
+        let want = (3.0 * ce([2.0, 1.0], 0) + ce([4.0, 0.0], 1)) / 4.0;
+        assert!((weighted - want).abs() < 1e-6, "{weighted} vs {want}");
         // The pointwise score of example 0: <(1,0), (1,1)> / 0.5 = 2.
         let s = m.forward(&dense, &sparse, false);
         assert!((s.double_value(&[0, 0]) - 2.0).abs() < 1e-6);
@@ -402,7 +418,8 @@ mod tests {
         let dense = Tensor::zeros([2, 0], (Kind::Float, tch::Device::Cpu));
         // The same item twice: each row's only unmasked logit is its own, so the loss is 0.
         let ids = kjt(&[7, 7]);
-        let loss = m.loss(&LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &ids }).unwrap();
+        let loss =
+            m.loss(&LossInput { dense: &dense, sparse: &sparse, labels: &labels, ids: &ids, weights: None }).unwrap();
         assert!(loss.double_value(&[]).abs() < 1e-6);
 
         // Frequency estimate by hand (alpha 0.5): item a at steps 1, 2, 3; item b at step 3.

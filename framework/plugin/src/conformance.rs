@@ -237,7 +237,9 @@ impl SamplerCase {
         for (name, batches) in &splits {
             for (i, batch) in batches.iter().enumerate() {
                 if shape.is_ok() {
-                    shape = batch_matches(batch, &declared, self.rows).map_err(|e| format!("{name}, batch {i}: {e}"));
+                    shape = batch_matches(batch, &declared, self.rows)
+                        .and_then(|()| weights_match(batch, a.weighted()))
+                        .map_err(|e| format!("{name}, batch {i}: {e}"));
                 }
                 let last = i + 1 == batches.len();
                 let ok = if last { (1..=bs).contains(&batch.batch_size) } else { batch.batch_size == bs };
@@ -295,6 +297,23 @@ pub fn batch_matches(batch: &Batch, schema: &FeatureSchema, rows: u64) -> Result
         return Err("a dense value or label is not finite".into());
     }
     Ok(())
+}
+
+/// Why `batch`'s sample weights do not match a sampler that says it is `weighted` (one finite
+/// weight `>= 0` per example when it is, none when not).
+pub fn weights_match(batch: &Batch, weighted: bool) -> Result<(), String> {
+    match (&batch.weights, weighted) {
+        (Some(w), true) if w.len() != batch.batch_size => {
+            Err(format!("{} sample weights for {} examples", w.len(), batch.batch_size))
+        }
+        (Some(w), true) => match w.iter().find(|x| !(x.is_finite() && **x >= 0.0)) {
+            Some(x) => Err(format!("sample weight {x}: weights must be finite and >= 0")),
+            None => Ok(()),
+        },
+        (Some(_), false) => Err("the batch carries sample weights but the sampler's weighted() is false".into()),
+        (None, true) => Err("the sampler's weighted() is true but the batch has no sample weights".into()),
+        (None, false) => Ok(()),
+    }
 }
 
 /// A model conformance case: a config (the `[model]` table's TOML without `kind`) and the
@@ -492,6 +511,7 @@ mod tests {
                 labels: vec![1.0; n],
                 batch_size: n,
                 groups: None,
+                weights: None,
             };
             Ok(Box::new(vec![Ok(batch.clone()), Ok(batch)].into_iter()))
         }
@@ -516,5 +536,25 @@ mod tests {
         assert!(failed.contains(&"batch size honoured"), "{report}");
         assert!(failed.contains(&"batches match the declared features"), "{report}");
         assert!(report.to_string().contains("id 100"), "{report}");
+    }
+
+    #[test]
+    fn sample_weights_must_match_the_samplers_word() {
+        let batch = |weights: Option<Vec<f32>>| Batch {
+            dense: vec![],
+            num_dense: 0,
+            sparse: trainrec_sparse::KeyedJaggedTensor::new(vec![], vec![], None, vec![], 2).unwrap(),
+            labels: vec![0.0, 1.0],
+            batch_size: 2,
+            groups: None,
+            weights,
+        };
+        assert_eq!(weights_match(&batch(Some(vec![0.0, 2.5])), true), Ok(()));
+        assert_eq!(weights_match(&batch(None), false), Ok(()));
+        assert!(weights_match(&batch(Some(vec![1.0])), true).unwrap_err().contains("1 sample weights for 2"));
+        assert!(weights_match(&batch(Some(vec![1.0, -1.0])), true).unwrap_err().contains("-1"));
+        assert!(weights_match(&batch(Some(vec![1.0, f32::NAN])), true).unwrap_err().contains("NaN"));
+        assert!(weights_match(&batch(Some(vec![1.0, 1.0])), false).unwrap_err().contains("weighted() is false"));
+        assert!(weights_match(&batch(None), true).unwrap_err().contains("no sample weights"));
     }
 }

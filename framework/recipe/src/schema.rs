@@ -226,6 +226,11 @@ pub struct TaskSection {
     /// The sampler's label column this task predicts. Default: the task's name.
     #[serde(default)]
     pub label: Option<String>,
+    /// The task's weight in the training loss, which is the sum over tasks of `loss_weight`
+    /// times the task's (sample-weighted) mean binary cross-entropy. Finite and `>= 0`;
+    /// default 1.
+    #[serde(default = "defaults::loss_weight")]
+    pub loss_weight: f64,
 }
 
 impl TaskSection {
@@ -554,6 +559,10 @@ pub enum MetricSection {
 pub mod defaults {
     use super::*;
 
+    /// Default `tasks[].loss_weight`.
+    pub fn loss_weight() -> f64 {
+        1.0
+    }
     /// Default `topology.world_size`.
     pub fn world_size() -> usize {
         1

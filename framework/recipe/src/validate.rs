@@ -321,6 +321,12 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                     .with_help(format!("tasks[{first}] has the same name; task names must be unique")),
             );
         }
+        if !(t.loss_weight.is_finite() && t.loss_weight >= 0.0) {
+            out.push(Diagnostic::new(
+                root.key("tasks").index(i).key("loss_weight"),
+                format!("loss_weight must be a finite number >= 0, found {}", t.loss_weight),
+            ));
+        }
     }
     if recipe.metrics.is_empty() {
         out.push(

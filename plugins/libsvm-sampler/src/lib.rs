@@ -202,6 +202,7 @@ impl Sampler for LibSvmSampler {
                 labels,
                 batch_size: n,
                 groups: None,
+                weights: None,
             })
         })))
     }
