@@ -154,6 +154,13 @@ fn gather_rows(batches: &[Option<Batch>], rows: &[RowRef]) -> Result<Batch, Data
                 b.labels.len() / b.batch_size.max(1)
             )));
         }
+        if b.sparse.stride() != b.batch_size || b.sparse.variable_stride_per_key() {
+            return Err(inconsistent(format!(
+                "a batch of {} examples has {} bags per key",
+                b.batch_size,
+                b.sparse.stride()
+            )));
+        }
         if b.sparse.keys() != keys.as_slice() {
             return Err(inconsistent(format!("a batch has keys {:?}, another {keys:?}", b.sparse.keys())));
         }
@@ -178,12 +185,15 @@ fn gather_rows(batches: &[Option<Batch>], rows: &[RowRef]) -> Result<Batch, Data
     let mut weights = weighted.then(Vec::new);
     for k in 0..keys.len() {
         for r in rows {
-            let f = get(r).sparse.feature(k);
-            let bag = f.bag(r.row as usize);
-            lengths.push(bag.len() as u32);
-            values.extend_from_slice(bag);
-            if let (Some(out), Some(w)) = (&mut weights, f.bag_weights(r.row as usize)) {
-                out.extend_from_slice(w);
+            // Pooled KJTs have one bag per example (see `Pool::insert`): key k's bag of row i
+            // is bag `k × batch_size + i`.
+            let b = get(r);
+            let bag = k * b.batch_size + r.row as usize;
+            let (start, end) = (b.sparse.offsets()[bag], b.sparse.offsets()[bag + 1]);
+            lengths.push((end - start) as u32);
+            values.extend_from_slice(&b.sparse.values()[start..end]);
+            if let (Some(out), Some(w)) = (&mut weights, b.sparse.weights()) {
+                out.extend_from_slice(&w[start..end]);
             }
         }
     }
