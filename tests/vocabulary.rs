@@ -7,7 +7,7 @@ use trainrec::embedding::{
     BoundsCheckMode, CachePolicy, PoolingMode, SparseOptimizerConfig, WeightDecayMode, WeightPrecision,
 };
 use trainrec::planner::{ComputeDevice, ComputeKernel, ShardingType};
-use trainrec::recipe::{DenseOptimizerConfig, McEvictionPolicy, PipelineKind};
+use trainrec::recipe::{DenseOptimizerConfig, McEvictionPolicy, PipelineKind, Shuffle, ShuffleKind};
 
 fn json<T: Serialize>(v: T) -> String {
     serde_json::to_string(&v).expect("serializes")
@@ -62,12 +62,19 @@ fn unit_words_keep_their_spellings() {
         spellings(&[trainrec::metrics::Split::Train, trainrec::metrics::Split::Eval]),
         ["\"train\"", "\"eval\""]
     );
+    assert_eq!(
+        spellings(&[ShuffleKind::None, ShuffleKind::Buffer, ShuffleKind::Full]),
+        ["\"none\"", "\"buffer\"", "\"full\""]
+    );
+    assert_eq!(json(Shuffle::buffer(4096)), r#"{"kind":"buffer","rows":4096}"#);
+    assert_eq!(json(Shuffle::FULL), r#"{"kind":"full"}"#);
     // The defaults recipes get when a key is left out.
     assert_eq!(trainrec::recipe::defaults::pooling(), PoolingMode::Sum);
     assert_eq!(WeightPrecision::default(), WeightPrecision::Fp32);
     assert_eq!(BoundsCheckMode::default(), BoundsCheckMode::Fatal);
     assert_eq!(CachePolicy::default(), CachePolicy::Lru);
     assert_eq!(McEvictionPolicy::default(), McEvictionPolicy::Lfu);
+    assert_eq!(ShuffleKind::default(), ShuffleKind::None);
 }
 
 #[test]

@@ -271,6 +271,10 @@ pub struct DataArgs {
     /// Rows per Parquet row group.
     #[arg(long, default_value_t = 16_384)]
     pub row_group_rows: usize,
+    /// Shuffles each pass goes through, as `data.shuffle` (comma separated): `none`, `full`,
+    /// `buffer:<rows>`.
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    pub shuffle: Vec<trainrec_data::Shuffle>,
 }
 
 /// Flags of `trainrec bench metrics`.
@@ -577,6 +581,7 @@ pub fn run(which: BenchCommand) -> ExitCode {
                 workers: a.workers,
                 batch_size: a.batch,
                 row_group_rows: a.row_group_rows,
+                shuffles: a.shuffle,
                 dir: None,
             };
             print_bench(crate::data::bench_readers(&options).map(|r| r.to_json()))

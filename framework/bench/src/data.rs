@@ -6,7 +6,8 @@
 //! (Snappy, `row_group_rows` rows per group; label `INT32`, I1..I13 and C1..C26 optional
 //! `INT64`), reads each back through its sampler (one training pass, no eval hold-out; `csv`
 //! reads the TSV file, naming its columns with `columns`, categorical values hashed as string
-//! ids), and deletes the directory.
+//! ids), and deletes the directory. Each pass goes through each requested shuffle
+//! ([`trainrec_data::shuffle`]), so the report shows what `data.shuffle` costs.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -27,7 +28,7 @@ use trainrec_data::LabelColumns;
 use trainrec_data::criteo::{NUM_DENSE, NUM_SPARSE};
 use trainrec_data::{
     BadRowPolicy, CriteoBinaryConfig, CriteoBinarySampler, CriteoTsvConfig, CriteoTsvSampler, CsvConfig, CsvSampler,
-    DataError, ParquetConfig, ParquetSampler, Sampler, SamplerContext, Split,
+    DataError, ParquetConfig, ParquetSampler, Sampler, SamplerContext, Shuffle, Split,
 };
 
 /// What [`bench_readers`] measures.
@@ -41,13 +42,22 @@ pub struct BenchOptions {
     pub batch_size: usize,
     /// Rows per Parquet row group.
     pub row_group_rows: usize,
+    /// The shuffles each pass goes through (`data.shuffle`).
+    pub shuffles: Vec<Shuffle>,
     /// Where to make the temporary directory (default: the system's temporary directory).
     pub dir: Option<PathBuf>,
 }
 
 impl Default for BenchOptions {
     fn default() -> Self {
-        Self { rows: 200_000, workers: vec![1, 2], batch_size: 4096, row_group_rows: 16_384, dir: None }
+        Self {
+            rows: 200_000,
+            workers: vec![1, 2],
+            batch_size: 4096,
+            row_group_rows: 16_384,
+            shuffles: vec![Shuffle::NONE],
+            dir: None,
+        }
     }
 }
 
@@ -58,6 +68,8 @@ pub struct BenchResult {
     pub reader: String,
     /// Worker threads.
     pub num_workers: usize,
+    /// The shuffle (`none`, `full`, `buffer:<rows>`).
+    pub shuffle: String,
     /// Rows read.
     pub rows: u64,
     /// Wall-clock seconds of the pass.
@@ -193,20 +205,33 @@ fn size(path: &Path) -> u64 {
     std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
 }
 
-fn time_pass(reader: &str, workers: usize, sampler: &dyn Sampler, batch_size: usize) -> Result<BenchResult, DataError> {
-    let start = Instant::now();
-    let mut rows = 0u64;
-    for b in sampler.batches(Split::Train, 0, batch_size)? {
-        rows += b?.batch_size as u64;
+/// One training pass of `sampler` through each of `shuffles`.
+fn time_passes(
+    reader: &str,
+    workers: usize,
+    sampler: &dyn Sampler,
+    batch_size: usize,
+    shuffles: &[Shuffle],
+) -> Result<Vec<BenchResult>, DataError> {
+    let mut out = Vec::new();
+    for shuffle in shuffles {
+        let start = Instant::now();
+        let mut rows = 0u64;
+        let batches = sampler.batches(Split::Train, 0, batch_size)?;
+        for b in trainrec_data::shuffled(batches, shuffle, batch_size, trainrec_data::shuffle_seed(0, 0, 0)) {
+            rows += b?.batch_size as u64;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        out.push(BenchResult {
+            reader: reader.into(),
+            num_workers: workers,
+            shuffle: shuffle.to_string(),
+            rows,
+            seconds,
+            rows_per_sec: rows as f64 / seconds.max(1e-9),
+        });
     }
-    let seconds = start.elapsed().as_secs_f64();
-    Ok(BenchResult {
-        reader: reader.into(),
-        num_workers: workers,
-        rows,
-        seconds,
-        rows_per_sec: rows as f64 / seconds.max(1e-9),
-    })
+    Ok(out)
 }
 
 /// Measures the file readers' throughput (see the [module docs](self)); the temporary files
@@ -240,7 +265,13 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             max_rows: None,
             num_workers: w,
         };
-        results.push(time_pass("criteo_tsv", w, &CriteoTsvSampler::build(tsv_cfg, &ctx)?, options.batch_size)?);
+        results.extend(time_passes(
+            "criteo_tsv",
+            w,
+            &CriteoTsvSampler::build(tsv_cfg, &ctx)?,
+            options.batch_size,
+            &options.shuffles,
+        )?);
         let bin_cfg = CriteoBinaryConfig {
             dir: ".".into(),
             train: vec!["bench".into()],
@@ -250,7 +281,13 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             on_bad_row: BadRowPolicy::Fail,
             num_workers: w,
         };
-        results.push(time_pass("criteo_binary", w, &CriteoBinarySampler::build(bin_cfg, &ctx)?, options.batch_size)?);
+        results.extend(time_passes(
+            "criteo_binary",
+            w,
+            &CriteoBinarySampler::build(bin_cfg, &ctx)?,
+            options.batch_size,
+            &options.shuffles,
+        )?);
         let pq_cfg = ParquetConfig {
             paths: vec!["bench.parquet".into()],
             eval_paths: vec![],
@@ -265,7 +302,13 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             on_bad_row: BadRowPolicy::Fail,
             num_workers: w,
         };
-        results.push(time_pass("parquet", w, &ParquetSampler::build(pq_cfg, &ctx)?, options.batch_size)?);
+        results.extend(time_passes(
+            "parquet",
+            w,
+            &ParquetSampler::build(pq_cfg, &ctx)?,
+            options.batch_size,
+            &options.shuffles,
+        )?);
         let names = std::iter::once("label".to_string())
             .chain((1..=NUM_DENSE).map(|i| format!("I{i}")))
             .chain((1..=NUM_SPARSE).map(|i| format!("C{i}")));
@@ -288,7 +331,13 @@ pub fn bench_readers(options: &BenchOptions) -> Result<BenchReport, DataError> {
             on_bad_row: BadRowPolicy::Fail,
             num_workers: w,
         };
-        results.push(time_pass("csv", w, &CsvSampler::build(csv_cfg, &ctx)?, options.batch_size)?);
+        results.extend(time_passes(
+            "csv",
+            w,
+            &CsvSampler::build(csv_cfg, &ctx)?,
+            options.batch_size,
+            &options.shuffles,
+        )?);
     }
     Ok(BenchReport {
         rows: options.rows,
@@ -313,18 +362,21 @@ mod tests {
             workers: vec![1, 2],
             batch_size: 256,
             row_group_rows: 500,
+            shuffles: vec![Shuffle::NONE, Shuffle::buffer(100)],
             dir: Some(base.clone()),
         };
         let report = bench_readers(&opts).unwrap();
-        assert_eq!(report.results.len(), 8);
+        assert_eq!(report.results.len(), 16);
         for r in &report.results {
             assert_eq!(r.rows, 3000, "{} with {} workers", r.reader, r.num_workers);
             assert!(r.rows_per_sec > 0.0);
         }
         assert!(report.tsv_bytes > 0 && report.npy_bytes > 0 && report.parquet_bytes > 0);
         let json = report.to_json();
-        assert_eq!(json["results"][2]["reader"], "parquet");
-        assert_eq!(json["results"][3]["reader"], "csv");
+        assert_eq!(json["results"][4]["reader"], "parquet");
+        assert_eq!(json["results"][6]["reader"], "csv");
+        assert_eq!(json["results"][6]["shuffle"], "none");
+        assert_eq!(json["results"][7]["shuffle"], "buffer:100");
         assert_eq!(std::fs::read_dir(&base).unwrap().count(), 0, "the temporary directory was removed");
         std::fs::remove_dir_all(&base).ok();
     }

@@ -13,6 +13,8 @@
 //! lines, row ranges, row groups) into a bounded queue and the batch iterator reassembles them
 //! in chunk order, so batches do not depend on `num_workers`. `trainrec bench data` measures
 //! their throughput (the `trainrec-bench` crate).
+//!
+//! [`shuffle`] reorders the rows of any sampler's training epoch (`data.shuffle`).
 
 mod columns;
 pub mod criteo;
@@ -21,6 +23,7 @@ pub mod csv;
 pub mod movielens;
 pub mod npy;
 pub mod parquet;
+pub mod shuffle;
 pub mod stream;
 pub mod synthetic;
 
@@ -33,6 +36,7 @@ pub use criteo::{CriteoTsvConfig, CriteoTsvSampler};
 pub use criteo_binary::{CriteoBinaryConfig, CriteoBinarySampler};
 pub use csv::{CsvConfig, CsvSampler};
 pub use movielens::{MovieLensConfig, MovieLensFormat, MovieLensLabel, MovieLensSampler, MovieLensSplit};
+pub use shuffle::{Shuffle, ShuffleKind, shuffle_seed, shuffled};
 pub use stream::BadRowPolicy;
 pub use synthetic::{IdDistribution, SyntheticConfig, SyntheticSampler};
 use trainrec_sparse::KeyedJaggedTensor;

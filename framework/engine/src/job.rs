@@ -468,6 +468,16 @@ impl Job {
             }
             let _span = tracing::info_span!("epoch", epoch).entered();
             let batches = self.sampler.batches(Split::Train, epoch, bs)?;
+            // Shuffled within this rank's share, from (seed, epoch, rank): a resumed run that
+            // skips the batches it had read reads the uninterrupted run's next ones.
+            let batches = match &self.recipe.data.shuffle {
+                Some(s) => {
+                    let rank = self.sync.as_ref().map_or(0, |s| s.pg.rank());
+                    let seed = trainrec_data::shuffle_seed(self.recipe.run.seed, epoch, rank);
+                    trainrec_data::shuffled(batches, s, bs, seed)
+                }
+                None => batches,
+            };
             // The pipelines read batch i+1 ahead (every rank agrees it exists before its input
             // dist starts) and stage it while batch i trains.
             let mut feed = ReadAhead::new(batches, pipelined, pipeline.execute_all_batches);

@@ -7,7 +7,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use trainrec_planner::{ComputeDevice, Constraints, CostModel, PartitionerKind, ProposerKind};
 use trainrec_types::{BoundsCheckMode, PoolingMode, SparseOptimizerConfig, WarmupStage, WeightPrecision};
-pub use trainrec_types::{DenseOptimizerConfig, McEvictionPolicy, PipelineKind};
+pub use trainrec_types::{DenseOptimizerConfig, McEvictionPolicy, PipelineKind, Shuffle, ShuffleKind};
 
 /// A whole training job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -275,6 +275,12 @@ pub struct DataSection {
     /// The data source: `kind` names a registered sampler (`synthetic`, `criteo_tsv`, or a
     /// plugin's); the other keys are that sampler's own (see the sampler reference).
     pub sampler: PluginSection,
+    /// Shuffling of the training rows of each epoch, any sampler's (`kind = "none"`,
+    /// `"buffer"` with `rows`, or `"full"`): every row still comes exactly once per epoch, in
+    /// an order given by `run.seed`, the epoch and the rank, within the rank's share of the
+    /// rows. The eval split keeps its order. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shuffle: Option<Shuffle>,
 }
 
 /// A section owned by a plugin: `kind` picks the implementation, the remaining keys are

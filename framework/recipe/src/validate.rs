@@ -86,6 +86,9 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
     if recipe.data.eval_batch_size == Some(0) {
         out.push(Diagnostic::new(data.key("eval_batch_size"), "eval_batch_size must be greater than 0"));
     }
+    if let Some(s) = &recipe.data.shuffle {
+        out.extend(s.check(&data.key("shuffle")));
+    }
 
     let tables = root.key("tables");
     if recipe.tables.is_empty() {

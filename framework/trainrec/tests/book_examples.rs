@@ -48,19 +48,32 @@ fn the_planner_chapter_shows_what_trainrec_plan_prints() {
     check_example("plan_criteo_8gpu.txt", &stdout);
 }
 
-#[test]
-fn the_quickstart_chapter_shows_what_the_quickstart_prints() {
-    let dir = std::env::temp_dir().join(format!("trainrec-book-quickstart-{}", std::process::id()));
+/// Runs `recipe` into a fresh directory `name` under the temp dir; returns that directory and
+/// the eval block of what it printed (between the first line, with wall time and throughput,
+/// and the last, the run directory), which a seeded run reproduces exactly.
+fn eval_block(name: &str, recipe: &str, trained: &str) -> (PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("trainrec-book-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let recipe = workspace().join("recipes/quickstart.toml");
+    let recipe = workspace().join(recipe);
     let out = format!("run.output_dir={}", dir.join("run").display());
     let (code, stdout) = trainrec(&dir, &["run", recipe.to_str().unwrap(), "--set", &out]);
     assert_eq!(code, 0, "{stdout}");
-    // The first line carries wall time and throughput, the last the run directory: the book
-    // shows the eval block between them, which a seeded run reproduces exactly.
     let lines: Vec<&str> = stdout.lines().collect();
-    assert!(lines[0].starts_with("trained 1500 steps (768000 samples)"), "{stdout}");
-    let eval: String = lines[1..lines.len() - 1].iter().map(|l| format!("{l}\n")).collect();
+    assert!(lines[0].starts_with(trained), "{stdout}");
+    (dir, lines[1..lines.len() - 1].iter().map(|l| format!("{l}\n")).collect())
+}
+
+#[test]
+fn the_recipe_chapter_shows_what_the_production_recipe_prints() {
+    let (dir, eval) =
+        eval_block("production", "recipes/production/dcn_two_tasks.toml", "trained 800 steps (409600 samples)");
+    std::fs::remove_dir_all(&dir).unwrap();
+    check_example("production_eval.txt", &eval);
+}
+
+#[test]
+fn the_quickstart_chapter_shows_what_the_quickstart_prints() {
+    let (dir, eval) = eval_block("quickstart", "recipes/quickstart.toml", "trained 1500 steps (768000 samples)");
     let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
     let first_eval = metrics.lines().find(|l| l.contains(r#""split":"eval""#)).expect("an eval line");
     std::fs::remove_dir_all(&dir).unwrap();

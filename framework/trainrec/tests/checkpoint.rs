@@ -316,3 +316,86 @@ fn eval_scores_a_checkpoint_in_fp32_and_quantized() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no complete checkpoint of step 5"), "{err}");
 }
+
+/// A Criteo TSV file of 3000 rows (label, 13 counts, 26 hex categories) in a fresh directory;
+/// the label follows the first count and category, so training has something to learn.
+fn criteo_tsv(name: &str) -> PathBuf {
+    let dir = out_dir(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut state = 0x5EED_u64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut x = state;
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    };
+    let mut text = String::new();
+    for _ in 0..3000 {
+        let counts: Vec<u64> = (0..13).map(|_| next() % 50).collect();
+        let cats: Vec<u64> = (0..26).map(|j| next() % (10 + 40 * j)).collect();
+        let label = u64::from((counts[0] + cats[0] * 7 + next() % 30) > 60);
+        let counts = counts.iter().map(u64::to_string);
+        let cats = cats.iter().map(|c| format!("{c:08x}"));
+        let fields: Vec<String> = std::iter::once(label.to_string()).chain(counts).chain(cats).collect();
+        text.push_str(&fields.join("\t"));
+        text.push('\n');
+    }
+    let path = dir.join("train.txt");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A shuffled file-sampler run (`criteo_tsv`, two epochs) killed mid-epoch and resumed writes
+/// the uninterrupted run's metrics: on one rank with a shuffle buffer (about 43 batches an
+/// epoch: resumed at step 30, in epoch 0), on two with a full shuffle (about 22 batches a rank
+/// and epoch: resumed at step 30, in epoch 1). The shuffle changes the training.
+#[test]
+fn a_shuffled_file_run_resumes_mid_epoch_bit_for_bit() {
+    let tsv = criteo_tsv("shuffle-data");
+    let run_tsv = |world: usize, out: &Path, failpoint: Option<&str>, shuffle: &str| {
+        let mut args = vec!["run".to_string(), "recipes/criteo/kaggle_sample.toml".into()];
+        let sets = [
+            format!("data.sampler.path=\"{}\"", tsv.display()),
+            format!("data.shuffle={shuffle}"),
+            format!("topology.world_size={world}"),
+            format!("run.output_dir=\"{}\"", out.display()),
+            "train.epochs=2".into(),
+            "train.checkpoint_every=15".into(),
+            "train.eval_every=15".into(),
+            "train.log_every=5".into(),
+            "data.batch_size=64".into(),
+            "run.threads=1".into(),
+            "train.progress=false".into(),
+        ];
+        for s in sets {
+            args.extend(["--set".to_string(), s]);
+        }
+        trainrec(&args, failpoint)
+    };
+    for (world, shuffle, abort, resumed) in [
+        (1, "{kind=\"buffer\",rows=500}", "abort-after-step:40", "step-00000030 (step 30)"),
+        (2, "{kind=\"full\"}", "abort-after-step:35", "step-00000030 (step 30)"),
+    ] {
+        let through = out_dir(&format!("shuffle-through-{world}"));
+        let (code, err) = run_tsv(world, &through, None, shuffle);
+        assert_eq!(code, Some(0), "{err}");
+        let want = metrics(&through);
+        assert!(want.iter().any(|l| l["split"] == "eval"), "{want:?}");
+
+        if world == 1 {
+            let plain = out_dir("shuffle-plain");
+            let (code, err) = run_tsv(world, &plain, None, "{kind=\"none\"}");
+            assert_eq!(code, Some(0), "{err}");
+            assert_ne!(metrics(&plain), want, "the shuffle left the training as it was");
+        }
+
+        let killed = out_dir(&format!("shuffle-killed-{world}"));
+        let (code, _) = run_tsv(world, &killed, Some(abort), shuffle);
+        assert_ne!(code, Some(0), "the run was to abort");
+        let (code, err) = resume(&killed, &[]);
+        assert_eq!(code, Some(0), "{err}");
+        assert!(err.contains(resumed), "{err}");
+        assert_eq!(metrics(&killed), want, "{world} ranks, shuffle {shuffle}: the resumed run's metrics differ");
+    }
+}

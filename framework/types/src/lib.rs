@@ -10,7 +10,8 @@
 //! - [`sharding`]: sharding types, compute kernels, compute devices.
 //! - [`mc`]: managed collisions' eviction policy and settings.
 //! - [`schedule`]: learning-rate schedules (TorchRec's warm-up stages).
-//! - [`pipeline`], [`split`]: the train pipeline's kinds; the data's splits.
+//! - [`pipeline`], [`split`], [`shuffle`]: the train pipeline's kinds; the data's splits and
+//!   the shuffling of training data.
 //! - [`block`]: row blocks (TorchRec's even split).
 //!
 //! Every unit word implements [`Word`]: its spelling is the one recipes and `plan.json` use, and
@@ -27,6 +28,7 @@ pub mod mc;
 pub mod pipeline;
 pub mod schedule;
 pub mod sharding;
+pub mod shuffle;
 pub mod sparse_optimizer;
 pub mod split;
 pub mod table;
@@ -40,6 +42,7 @@ pub use mc::{McConfig, McEvictionPolicy, McPartition};
 pub use pipeline::PipelineKind;
 pub use schedule::{WarmupPolicy, WarmupStage, check_schedule, lr_multiplier};
 pub use sharding::{ComputeDevice, ComputeKernel, ShardingType};
+pub use shuffle::{Shuffle, ShuffleKind};
 pub use sparse_optimizer::{SparseOptimizerConfig, StatePart, WeightDecayMode};
 pub use split::Split;
 pub use table::{BoundsCheckMode, PoolingMode, WeightPrecision};
@@ -91,6 +94,7 @@ mod tests {
         check::<Split>();
         check::<WarmupPolicy>();
         check::<ClippingKind>();
+        check::<ShuffleKind>();
     }
 
     #[test]
