@@ -630,3 +630,28 @@ fn the_production_recipe_trains_with_every_control() {
     assert!(lr[0] > 0.0019 && lr[7] < 1e-4 && lr.windows(2).all(|w| w[1] <= w[0]), "{lr:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `tables[].max_gradient` / `embedding.max_gradient` reach the train step: a tight clip
+/// changes what the tables learn, a clip no gradient reaches changes nothing.
+#[test]
+fn embedding_gradient_clipping_reaches_the_tables() {
+    let losses = |extra: &[&str], name: &str| {
+        let dir = out_dir(name);
+        let mut overrides: Vec<String> = vec![
+            "train.steps=60".into(),
+            "train.log_every=20".into(),
+            "data.sampler.eval_samples=2048".into(),
+            format!("run.output_dir=\"{}\"", dir.display()),
+        ];
+        overrides.extend(extra.iter().map(|s| s.to_string()));
+        let s = run(&workspace().join("recipes/quickstart.toml"), &overrides);
+        let l: Vec<f64> = train_lines(&dir, "loss").into_iter().map(|(_, m)| m["loss"].as_f64().unwrap()).collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        (l, s.eval["auc"])
+    };
+    let (plain, auc) = losses(&[], "clip-none");
+    let (loose, loose_auc) = losses(&["embedding.max_gradient=1000.0"], "clip-loose");
+    let (tight, _) = losses(&["embedding.max_gradient=1e-6", "tables[0].max_gradient=1e-6"], "clip-tight");
+    assert_eq!((&loose, loose_auc), (&plain, auc), "a clip no gradient reaches changes nothing");
+    assert!(tight.iter().all(|l| l.is_finite()) && tight[2] != plain[2], "{tight:?} vs {plain:?}");
+}

@@ -29,6 +29,33 @@ pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
     (outputs, keys)
 }
 
+/// Columns of the pooled outputs whose gradient is clipped (FBGEMM's `gradient_clipping`):
+/// `(first column, columns, max_gradient)` for each feature of a table with a
+/// `tables[].max_gradient` (or, unset, `embedding.max_gradient`), in [`sparse_outputs`]' order.
+pub fn gradient_clip_columns(recipe: &Recipe) -> Vec<(i64, i64, f64)> {
+    let mut out = Vec::new();
+    let mut column = 0;
+    for table in &recipe.tables {
+        let max = table.max_gradient.or(recipe.embedding.max_gradient);
+        for _ in &table.features {
+            if let Some(m) = max {
+                out.push((column, table.dim as i64, m));
+            }
+            column += table.dim as i64;
+        }
+    }
+    out
+}
+
+/// Clamps the gradient of the pooled outputs `[batch, width]` in place, element-wise to
+/// `[-m, m]` in each `(first column, columns, m)` of `columns` (FBGEMM's `gradient_clipping`,
+/// applied before any engine's fused backward, on the tensor's device).
+pub(crate) fn clip_pooled_gradient(grad: &tch::Tensor, columns: &[(i64, i64, f64)]) {
+    for &(start, len, m) in columns {
+        let _ = grad.narrow(1, start, len).clamp_(-m, m);
+    }
+}
+
 /// Each of the job's tasks' `loss_weight` (as [`job_tasks`] lists them), or `None` when
 /// every one is 1 (the plain sum of the tasks' losses).
 pub fn task_loss_weights(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Option<Vec<f64>> {
@@ -69,6 +96,8 @@ pub(crate) struct BatchLayout {
     pub tasks: Vec<(String, usize)>,
     /// Each task's `loss_weight`, when one is not 1 (`None`: every task weighs 1).
     pub task_loss_weights: Option<Vec<f64>>,
+    /// The pooled-output columns whose gradient is clipped ([`gradient_clip_columns`]).
+    pub gradient_clip: Vec<(i64, i64, f64)>,
     /// Whether the sampler gives every batch its sample weights ([`trainrec_data::Sampler::weighted`]).
     pub weighted: bool,
     /// The dense model's device.
@@ -231,4 +260,108 @@ pub fn recipe_plan(input: &PlanInput, recipe: &Recipe, base_dir: &Path, explain_
         explain(input, &mut plan)?;
     }
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+    use trainrec_embedding::{PoolingMode, SparseOptimizerConfig};
+    use trainrec_sparse::KeyedJaggedTensor;
+
+    /// A recipe with the FBGEMM fixture's tables: `a` (dim 8) read by features x and y, `b`
+    /// (dim 4) by z; `b` clips at 0.25 of its own, `a` at `embedding.max_gradient`.
+    fn recipe(default_max: &str) -> Recipe {
+        let text = format!(
+            r#"
+            [run]
+            name = "clip"
+            [data]
+            batch_size = 5
+            [data.sampler]
+            kind = "synthetic"
+            [embedding]
+            {default_max}
+            [[tables]]
+            name = "a"
+            features = ["x", "y"]
+            rows = 11
+            dim = 8
+            [[tables]]
+            name = "b"
+            features = ["z"]
+            rows = 7
+            dim = 4
+            max_gradient = 0.25
+            [model]
+            kind = "dlrm"
+            [optimizer]
+            sparse = {{ kind = "sgd", lr = 0.1 }}
+            dense = {{ kind = "sgd", lr = 0.1 }}
+            [train]
+            steps = 1
+            "#
+        );
+        toml::from_str(&text).expect("a recipe")
+    }
+
+    #[test]
+    fn clip_columns_follow_the_pooled_outputs() {
+        assert_eq!(gradient_clip_columns(&recipe("")), [(16, 4, 0.25)]);
+        assert_eq!(gradient_clip_columns(&recipe("max_gradient = 0.5")), [(0, 8, 0.5), (8, 8, 0.5), (16, 4, 0.25)]);
+    }
+
+    /// The clipped gradient, then the CPU engine's fused update, gives FBGEMM's tables after
+    /// `gradient_clipping = True, max_gradient = 0.5` (fixture cases `*-clipped` of
+    /// `framework/embedding/tests/fixtures/gen_fbgemm.py`), for SGD, Adagrad and row-wise Adagrad.
+    #[test]
+    fn clipping_before_the_fused_update_matches_fbgemm() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../embedding/tests/fixtures/fbgemm_tbe.json");
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("json");
+        let floats =
+            |v: &Value| -> Vec<f32> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
+        let mut clipped_cases = 0;
+        for (name, case) in doc["cases"].as_object().unwrap() {
+            let Some(max) = case["max_gradient"].as_f64() else { continue };
+            clipped_cases += 1;
+            let optimizer: SparseOptimizerConfig = serde_json::from_value(case["optimizer"].clone()).unwrap();
+            let mut columns = gradient_clip_columns(&recipe(&format!("max_gradient = {max}")));
+            columns[2].2 = max;
+            let tables = vec![
+                EmbeddingBagConfig::new("a", 11, 8, PoolingMode::Sum, &["x", "y"]),
+                EmbeddingBagConfig::new("b", 7, 4, PoolingMode::Sum, &["z"]),
+            ];
+            let mut ebc = EmbeddingBagCollection::new(tables, optimizer, 0).unwrap();
+            for (t, init) in ["a", "b"].iter().zip(case["init"].as_array().unwrap()) {
+                ebc.set_table_weights(t, floats(init)).unwrap();
+            }
+            let mut any_clipped = false;
+            for (s, step) in case["steps"].as_array().unwrap().iter().enumerate() {
+                let values: Vec<i64> = step["values"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+                let lengths: Vec<u32> =
+                    step["lengths"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+                let kjt =
+                    KeyedJaggedTensor::new(vec!["x".into(), "y".into(), "z".into()], values, None, lengths, 5).unwrap();
+                ebc.forward(&kjt).unwrap();
+                let raw = floats(&step["grad"]);
+                let grad = tch::Tensor::from_slice(&raw).view([5, 20]);
+                clip_pooled_gradient(&grad, &columns);
+                let clipped: Vec<f32> = Vec::try_from(grad.flatten(0, -1)).unwrap();
+                any_clipped |= clipped.iter().zip(&raw).any(|(c, r)| c != r);
+                assert!(clipped.iter().all(|g| g.abs() <= max as f32), "{name}");
+                ebc.backward_and_update(&kjt, &clipped).unwrap();
+                for (t, want) in ["a", "b"].iter().zip(step["tables_after"].as_array().unwrap()) {
+                    let got = ebc.table_weights(t).unwrap();
+                    for (i, (g, w)) in got.iter().zip(floats(want)).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{name} step {s} table {t}[{i}]: {g} vs FBGEMM's {w}"
+                        );
+                    }
+                }
+            }
+            assert!(any_clipped, "{name}: the fixture's gradients reach the bound");
+        }
+        assert_eq!(clipped_cases, 3);
+    }
 }

@@ -207,6 +207,7 @@ impl Job {
         mc.attach(&mut sparse, &recipe, &plan)?;
         let recipe_pipeline_kind = recipe.pipeline.kind;
         let (task_loss_weights, weighted) = (crate::inputs::task_loss_weights(&recipe, features), sampler.weighted());
+        let gradient_clip = crate::inputs::gradient_clip_columns(&recipe);
         Ok(Self {
             recipe,
             resolved_toml,
@@ -221,6 +222,7 @@ impl Job {
                 num_labels: features.labels.len(),
                 tasks,
                 task_loss_weights,
+                gradient_clip,
                 weighted,
                 device,
             },

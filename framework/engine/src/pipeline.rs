@@ -240,7 +240,9 @@ impl Pipeline {
         // The engine reads the gradient tensor's memory in place.
         {
             let _span = tracing::debug_span!("sparse_update").entered();
-            arch.backward(&batch.sparse, &mut ctx, &sparse.grad())?;
+            let grad = sparse.grad();
+            crate::inputs::clip_pooled_gradient(&grad, &layout.gradient_clip);
+            arch.backward(&batch.sparse, &mut ctx, &grad)?;
             self.last_times = ctx.times;
         }
         let predictions = match logits {

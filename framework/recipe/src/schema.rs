@@ -331,6 +331,12 @@ pub struct TableSection {
     /// precision, optimizer and pooling are batched into one group.
     #[serde(default)]
     pub optimizer: Option<SparseOptimizerConfig>,
+    /// Clip this table's gradients as FBGEMM's `gradient_clipping` / `max_gradient` fused
+    /// parameters do: every element of the gradient of the table's pooled outputs is clamped to
+    /// `[-max_gradient, max_gradient]` before the fused backward and update. Positive; unset:
+    /// `embedding.max_gradient` (no clipping when both are unset).
+    #[serde(default)]
+    pub max_gradient: Option<f64>,
     /// The planner's constraints on this table (TorchRec's `ParameterConstraints`): allowed
     /// sharding types and kernels, pooling factors, cache parameters (the one place the cache
     /// load factor is set), ...
@@ -396,6 +402,12 @@ pub struct EmbeddingSection {
     /// nothing stays behind. Default: `offload/` in the run directory.
     #[serde(default)]
     pub offload_dir: Option<std::path::PathBuf>,
+    /// FBGEMM's gradient clipping for every table that does not set its own
+    /// `tables[].max_gradient`: the pooled outputs' gradient clamped element-wise to
+    /// `[-max_gradient, max_gradient]` before the fused update (TorchRec's fused parameters
+    /// `gradient_clipping = True, max_gradient = ...`). Positive; unset: no clipping.
+    #[serde(default)]
+    pub max_gradient: Option<f64>,
 }
 
 /// `[optimizer]`: the two optimizers of a job. Neither has a silent default.

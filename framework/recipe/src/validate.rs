@@ -90,6 +90,9 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         out.extend(s.check(&data.key("shuffle")));
     }
 
+    if let Some(m) = recipe.embedding.max_gradient {
+        positive_f64(&mut out, root.key("embedding").key("max_gradient"), m);
+    }
     let tables = root.key("tables");
     if recipe.tables.is_empty() {
         out.push(
@@ -119,6 +122,9 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                 Diagnostic::new(tp.key("features"), format!("table \"{}\" has no features", table.name))
                     .with_help("list the sparse features looked up in this table"),
             );
+        }
+        if let Some(m) = table.max_gradient {
+            positive_f64(&mut out, tp.key("max_gradient"), m);
         }
         if let Some(opt) = &table.optimizer {
             let before = out.len();
