@@ -357,6 +357,49 @@ impl Job {
         self.sparse.table_weights(name)
     }
 
+    /// Replaces table `name`'s weights with `weights`, `[rows, dim]` row-major (each rank
+    /// keeps its shards' blocks of it; the optimizer state is kept). For starting a job from
+    /// weights trained elsewhere, before [`Job::train_step`] or [`Job::run`].
+    pub fn set_table_weights(&mut self, name: &str, weights: &[f32]) -> Result<(), EngineError> {
+        let mut shards = self.sparse.local_shards();
+        let mut found = false;
+        for s in shards.iter_mut().filter(|s| s.table == name) {
+            let [rows, dim] = s.table_shape;
+            if weights.len() != rows * dim {
+                return Err(EngineError::Internal(format!(
+                    "table {name} holds {rows} x {dim} weights, {} given",
+                    weights.len()
+                )));
+            }
+            s.weights.clear();
+            for r in s.rows.clone() {
+                s.weights.extend_from_slice(&weights[r as usize * dim..][s.cols.clone()]);
+            }
+            found = true;
+        }
+        if !found && self.sparse.table_weights(name)?.is_none() {
+            return Err(EngineError::Internal(format!("no table {name}")));
+        }
+        self.sparse.load_local_shards(shards)
+    }
+
+    /// Replaces the dense model's parameter `name` (as [`Job::dense_parameters`] names it)
+    /// with `values`, flattened.
+    pub fn set_dense_parameter(&mut self, name: &str, values: &[f32]) -> Result<(), EngineError> {
+        let vars = self.vs.variables();
+        let var = vars.get(name).ok_or_else(|| EngineError::Internal(format!("no dense parameter {name}")))?;
+        if var.numel() != values.len() {
+            return Err(EngineError::Internal(format!(
+                "dense parameter {name} holds {} values, {} given",
+                var.numel(),
+                values.len()
+            )));
+        }
+        let src = tch::Tensor::from_slice(values).view(var.size().as_slice()).to_device(var.device());
+        tch::no_grad(|| var.shallow_clone().copy_(&src));
+        Ok(())
+    }
+
     /// This rank's named state: the dense variables (`dense.<name>`) and its shards of every
     /// table's weights (`sparse.<table>.weight`, with their place in the table). Not
     /// collective.
