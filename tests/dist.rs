@@ -298,6 +298,28 @@ fn close(what: &str, a: &[f32], b: &[f32]) {
     }
 }
 
+/// `many` (a run on several ranks, described by `what`) took the steps of `one` (the run on one
+/// rank) and ended with its losses, dense parameters, tables and eval metrics, up to rounding.
+fn assert_trains_alike(what: &str, many: &Trained, one: &Trained) {
+    assert_eq!(many.steps, one.steps, "{what}");
+    assert!(
+        (many.loss.0 - one.loss.0).abs() < 1e-4 && (many.loss.1 - one.loss.1).abs() < 1e-4,
+        "{what}: {:?} vs {:?}",
+        many.loss,
+        one.loss
+    );
+    assert_eq!(many.dense.keys().collect::<Vec<_>>(), one.dense.keys().collect::<Vec<_>>(), "{what}");
+    for (name, v) in &one.dense {
+        close(&format!("{what}: dense {name}"), &many.dense[name], v);
+    }
+    for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
+        close(&format!("{what}: table {t}"), a, b);
+    }
+    for (k, v) in &one.eval {
+        assert!((many.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", many.eval[k]);
+    }
+}
+
 #[test]
 fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
     // 0.0001 MiB: 26-float gradient buckets, so the dense model's gradients travel in many.
@@ -310,24 +332,7 @@ fn two_and_three_ranks_train_like_one_rank_on_the_global_batch() {
             [(2, false, &[][..]), (3, false, &[]), (1, true, &[]), (2, true, &[]), (3, true, &[]), (2, false, &tiny)]
         {
             let many = train_with(world, sharding, dedup, buckets);
-            let what = format!("{sharding} on {world} ranks (dedup {dedup}, {buckets:?})");
-            assert_eq!(many.steps, one.steps, "{what}");
-            assert!(
-                (many.loss.0 - one.loss.0).abs() < 1e-4 && (many.loss.1 - one.loss.1).abs() < 1e-4,
-                "{what}: {:?} vs {:?}",
-                many.loss,
-                one.loss
-            );
-            assert_eq!(many.dense.keys().collect::<Vec<_>>(), one.dense.keys().collect::<Vec<_>>());
-            for (name, v) in &one.dense {
-                close(&format!("{what}: dense {name}"), &many.dense[name], v);
-            }
-            for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
-                close(&format!("{what}: table {t}"), a, b);
-            }
-            for (k, v) in &one.eval {
-                assert!((many.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", many.eval[k]);
-            }
+            assert_trains_alike(&format!("{sharding} on {world} ranks (dedup {dedup}, {buckets:?})"), &many, &one);
         }
     }
 }
@@ -343,22 +348,7 @@ fn weighted_batches_train_alike_on_any_number_of_ranks() {
         assert!((one.loss.1 - plain.loss.1).abs() > 1e-4, "the weights change the loss: {:?}", one.loss);
         for world in [2, 3] {
             let many = train_with(world, sharding, false, &weighted);
-            let what = format!("weighted {sharding} on {world} ranks");
-            assert!(
-                (many.loss.0 - one.loss.0).abs() < 1e-4 && (many.loss.1 - one.loss.1).abs() < 1e-4,
-                "{what}: {:?} vs {:?}",
-                many.loss,
-                one.loss
-            );
-            for (name, v) in &one.dense {
-                close(&format!("{what}: dense {name}"), &many.dense[name], v);
-            }
-            for (t, (a, b)) in many.tables.iter().zip(&one.tables).enumerate() {
-                close(&format!("{what}: table {t}"), a, b);
-            }
-            for (k, v) in &one.eval {
-                assert!((many.eval[k] - v).abs() < 1e-4, "{what}: eval {k} {} vs {v}", many.eval[k]);
-            }
+            assert_trains_alike(&format!("weighted {sharding} on {world} ranks"), &many, &one);
         }
     }
 }
