@@ -37,6 +37,17 @@ pub enum EngineError {
         /// The cause.
         source: std::io::Error,
     },
+    /// Another process holds the run directory (its advisory lock, `RUN_DIR/.lock`).
+    #[error(
+        "run directory {} is in use by {holder}; wait for that run to end, or give this one another run.output_dir",
+        dir.display()
+    )]
+    Locked {
+        /// The run directory.
+        dir: PathBuf,
+        /// Who holds it: process id, host, start time and command, as the holder wrote them.
+        holder: String,
+    },
     /// A checkpoint could not be written or read.
     #[error("checkpoint: {0}")]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),

@@ -447,6 +447,17 @@ impl Job {
     pub fn run(&mut self) -> Result<RunSummary, EngineError> {
         let out_dir = self.recipe.output_dir();
         let lead = self.sync.as_ref().is_none_or(|s| s.pg.rank() == 0);
+        // One writer per run directory: rank 0 holds its lock until the run ends (every rank
+        // learns of a refusal: the others would wait in the first collective otherwise).
+        let lock = if lead { Some(crate::run_dir::lock_run_dir(&out_dir, "trainrec run")) } else { None };
+        let refused = lock.as_ref().and_then(|l| l.as_ref().err().map(|e| e.to_string()));
+        if let Some(sync) = &self.sync
+            && !sync.all_have(refused.is_none())?
+            && refused.is_none()
+        {
+            return Err(EngineError::Internal("rank 0 could not lock the run directory".into()));
+        }
+        let _lock = lock.transpose()?;
         let resume = self.resume.take();
 
         let train = self.recipe.train.clone();
@@ -503,7 +514,7 @@ impl Job {
                 pipeline.kind
             );
         }
-        let first_epoch = p.epoch;
+        let (first_epoch, first_step) = (p.epoch, p.step);
         'outer: for epoch in first_epoch..epochs {
             if done(p.step) {
                 break;
@@ -633,9 +644,16 @@ impl Job {
             _ => {
                 let m = self.evaluate()?;
                 log_write(&mut log, step, "eval", &m)?;
+                p.set_last_eval(&m);
                 m
             }
         };
+        // The trained model, unless `checkpoint_every` saved this step already (or nothing
+        // trained: a run resumed from its last step).
+        let saved = train.checkpoint_every.is_some_and(|n| step % n == 0);
+        if train.final_checkpoint && !saved && step > first_step {
+            self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
+        }
         bar.finish_and_clear();
         if let Some(log) = log {
             log.finish()?;

@@ -14,6 +14,55 @@ use trainrec_metrics::sinks::{CsvSink, TensorBoardSink};
 
 use crate::error::EngineError;
 
+/// An OS advisory lock (`flock`) on a run directory's `.lock` file, held while a command writes
+/// into the directory and released when dropped, or by the OS when the process ends however
+/// it ends (so a killed run's lock never blocks the next one).
+#[derive(Debug)]
+pub struct RunDirLock {
+    _file: File,
+}
+
+/// Locks run directory `dir` (made when missing) for `command`, or says who holds it: the
+/// holder's process id, host, start time and command, which it wrote into the lock file.
+pub fn lock_run_dir(dir: &Path, command: &str) -> Result<RunDirLock, EngineError> {
+    use std::io::Read;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| EngineError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let path = dir.join(".lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io(&path))?;
+    match file.try_lock() {
+        Ok(()) => {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .unwrap_or_else(|_| "an unknown host".into());
+            let since = chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC");
+            let holder = format!("pid {} on {host} since {since} ({command})\n", std::process::id());
+            file.set_len(0).map_err(io(&path))?;
+            file.write_all(holder.as_bytes()).map_err(io(&path))?;
+            file.flush().map_err(io(&path))?;
+            Ok(RunDirLock { _file: file })
+        }
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let holder = if holder.is_empty() { "another process".to_string() } else { holder.to_string() };
+            Err(EngineError::Locked { dir: dir.to_path_buf(), holder })
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(io(&path)(e)),
+    }
+}
+
 /// What a finished run reports.
 #[derive(Clone, Debug)]
 pub struct RunSummary {

@@ -468,12 +468,18 @@ pub struct TrainSection {
     /// Save a checkpoint every this many steps into `<output_dir>/checkpoints/step-<N>`
     /// (every rank's shards with their optimizer state, the dense model and its optimizer,
     /// managed-collision state, the data position and the training metrics); resume with
-    /// `trainrec run --resume <output_dir>`. Default: no checkpoints.
+    /// `trainrec run --resume <output_dir>`. Default: only the final checkpoint
+    /// (`final_checkpoint`).
     #[serde(default)]
     pub checkpoint_every: Option<u64>,
     /// Checkpoints kept: older ones are deleted once a newer one is complete.
     #[serde(default = "defaults::keep_checkpoints")]
     pub keep_checkpoints: u64,
+    /// Save a checkpoint at the last step, whether the run ends by `steps` or `epochs` (unless
+    /// `checkpoint_every` just saved it), so every run leaves its trained model for `eval`,
+    /// `export` and `--resume`. `false`: only `checkpoint_every`'s.
+    #[serde(default = "defaults::final_checkpoint")]
+    pub final_checkpoint: bool,
 }
 
 /// `[[metrics]]`: one metric on the eval split.
@@ -636,6 +642,10 @@ pub mod defaults {
     /// Default `train.keep_checkpoints`.
     pub fn keep_checkpoints() -> u64 {
         3
+    }
+    /// Default `train.final_checkpoint`.
+    pub fn final_checkpoint() -> bool {
+        true
     }
     /// Default `train.progress`.
     pub fn progress() -> bool {

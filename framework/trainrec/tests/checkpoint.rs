@@ -204,7 +204,8 @@ fn resuming_refuses_another_model_and_a_corrupted_checkpoint() {
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
         .collect();
     assert!(ids[900..].iter().all(|&id| id == -1) && ids[..900].iter().any(|&id| id >= 0));
-    assert_eq!(header["__metadata__"]["step"], "60");
+    // The newest checkpoint: the resumed run's final one, at step 70.
+    assert_eq!(header["__metadata__"]["step"], "70");
     assert!(!out.join("model.tmp").exists());
     let (code, err) = trainrec(
         &[
@@ -398,4 +399,111 @@ fn a_shuffled_file_run_resumes_mid_epoch_bit_for_bit() {
         assert!(err.contains(resumed), "{err}");
         assert_eq!(metrics(&killed), want, "{world} ranks, shuffle {shuffle}: the resumed run's metrics differ");
     }
+}
+
+/// Every run leaves its trained model: a checkpoint at its last step (by steps or by epochs),
+/// besides `checkpoint_every`'s, unless `train.final_checkpoint = false`; `eval` scores it.
+#[test]
+fn every_run_ends_with_a_checkpoint_of_its_last_step() {
+    let out = out_dir("final");
+    // 50 steps, checkpoints every 20: steps 20, 40, and the final 50.
+    assert_eq!(run_with(1, &out, None, &["train.steps=50"]).0, Some(0));
+    assert_eq!(checkpoints(&out), ["step-00000020", "step-00000040", "step-00000050"]);
+    let last_eval = metrics(&out).into_iter().rfind(|l| l["split"] == "eval").unwrap();
+    let got = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+        .args(["eval", &out.display().to_string(), "--json"])
+        .current_dir(workspace())
+        .output()
+        .unwrap();
+    assert!(got.status.success(), "{}", String::from_utf8_lossy(&got.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&got.stdout).unwrap();
+    assert_eq!(line["step"], 50);
+    assert_eq!(line["metrics"]["auc"], last_eval["metrics"]["auc"], "the final checkpoint is the trained model");
+    // Turned off: only checkpoint_every's.
+    let off = out_dir("final-off");
+    assert_eq!(run_with(1, &off, None, &["train.steps=50", "train.final_checkpoint=false"]).0, Some(0));
+    assert_eq!(checkpoints(&off), ["step-00000020", "step-00000040"]);
+    // The quickstart by epochs, without checkpoint_every: one checkpoint, at the last step.
+    let epochs = out_dir("final-epochs");
+    std::fs::create_dir_all(&epochs).unwrap();
+    let quickstart = std::fs::read_to_string(workspace().join("recipes/quickstart.toml")).unwrap();
+    assert!(quickstart.contains("\nsteps = 1500\n"));
+    let recipe = epochs.join("by_epochs.toml");
+    std::fs::write(&recipe, quickstart.replace("\nsteps = 1500\n", "\nepochs = 1\n")).unwrap();
+    let mut args = vec!["run".to_string(), recipe.display().to_string()];
+    for s in [
+        "data.sampler.train_samples=1000".to_string(),
+        "data.batch_size=128".into(),
+        "data.sampler.eval_samples=1024".into(),
+        "train.progress=false".into(),
+        format!("run.output_dir=\"{}\"", epochs.join("run").display()),
+    ] {
+        args.extend(["--set".to_string(), s]);
+    }
+    let (code, err) = trainrec(&args, None);
+    assert_eq!(code, Some(0), "{err}");
+    let epochs = epochs.join("run");
+    assert_eq!(checkpoints(&epochs), ["step-00000008"], "1000 samples in batches of 128: 8 steps");
+    for d in [out, off, epochs.parent().unwrap().to_path_buf()] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+/// A checkpoint write that fails (a full disk) stops the run with the cause and leaves no
+/// partial directory behind; the checkpoints before it stay, and the run resumes from them.
+#[test]
+fn a_failed_checkpoint_write_leaves_nothing_behind() {
+    for world in [1, 2] {
+        let out = out_dir(&format!("write-fails-{world}"));
+        let (code, err) = run(world, &out, Some("checkpoint-write-fails:40"));
+        assert_ne!(code, Some(0), "the run reports the failed save");
+        assert!(err.contains("no space left on device"), "{err}");
+        assert_eq!(checkpoints(&out), ["step-00000020"], "world {world}");
+        let (code, err) = resume(&out, &[]);
+        assert_eq!(code, Some(0), "{err}");
+        assert_eq!(checkpoints(&out), ["step-00000020", "step-00000040", "step-00000060"], "world {world}");
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
+
+/// One writer per run directory: a second run into a directory a run is writing is refused
+/// with exit 2, naming the holder; once the holder is killed (`kill -9`), its lock is gone and
+/// the directory can be resumed.
+#[test]
+fn a_second_writer_is_refused_and_a_killed_holder_never_blocks() {
+    let out = out_dir("lock");
+    let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
+    for s in settings(1, &out).into_iter().chain(["train.steps=1000000".to_string()]) {
+        args.extend(["--set".to_string(), s]);
+    }
+    let mut first = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+        .args(&args)
+        .current_dir(workspace())
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The holder has the lock once it writes its first checkpoint (step 20).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !out.join("checkpoints").join("step-00000020").exists() {
+        assert!(std::time::Instant::now() < deadline, "the first run never checkpointed");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (code, err) = trainrec(&args, None);
+    assert_eq!(code, Some(2), "{err}");
+    let pid = first.id();
+    assert!(
+        err.contains("is in use by") && err.contains(&format!("pid {pid} on ")) && err.contains("(trainrec run)"),
+        "{err}"
+    );
+    let (code, err) = resume(&out, &[]);
+    assert_eq!(code, Some(2), "--resume is refused too: {err}");
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let last: u64 =
+        checkpoints(&out).iter().filter_map(|n| n.strip_prefix("step-").and_then(|s| s.parse().ok())).max().unwrap();
+    let (code, err) = resume(&out, &[&format!("train.steps={}", last + 10)]);
+    assert_eq!(code, Some(0), "a killed holder's lock is gone: {err}");
+    std::fs::remove_dir_all(&out).unwrap();
 }

@@ -296,7 +296,9 @@ pub(crate) fn failpoint(name: &str, step: u64) -> bool {
 }
 
 /// Saves a checkpoint of `step` under `root` (every rank calls it; `pg` across ranks) and
-/// keeps the newest `keep` complete ones. Returns the checkpoint's directory.
+/// keeps the newest `keep` complete ones. Returns the checkpoint's directory. A save that
+/// fails (a full disk on any rank) leaves nothing behind: rank 0 removes the partial
+/// directory once every rank has stopped writing into it.
 pub fn save(
     root: &Path,
     header: Option<Header>,
@@ -305,8 +307,28 @@ pub fn save(
     step: u64,
     keep: usize,
 ) -> Result<PathBuf, CheckpointError> {
-    let (rank, world) = pg.map_or((0, 1), |g| (g.rank(), g.world_size()));
     let partial = root.join(format!(".{}.partial", step_dir_name(step)));
+    let saved = save_through(root, &partial, header, contents, pg, step, keep);
+    if saved.is_err() && pg.is_none_or(|g| g.rank() == 0) && partial.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&partial) {
+            tracing::warn!(dir = %partial.display(), "cannot remove the failed checkpoint's partial directory: {e}");
+        }
+    }
+    saved
+}
+
+/// [`save`] through the partial directory `partial`.
+fn save_through(
+    root: &Path,
+    partial: &Path,
+    header: Option<Header>,
+    contents: Contents,
+    pg: Option<&dyn ProcessGroup>,
+    step: u64,
+    keep: usize,
+) -> Result<PathBuf, CheckpointError> {
+    let (rank, world) = pg.map_or((0, 1), |g| (g.rank(), g.world_size()));
+    let partial = partial.to_path_buf();
     let done = root.join(step_dir_name(step));
     // Rank 0 makes a clean partial directory; the others wait for it.
     let made = if rank == 0 {
@@ -326,6 +348,13 @@ pub fn save(
     let written = (|| -> Result<RankIndex, CheckpointError> {
         let name = rank_file(rank);
         let path = partial.join(&name);
+        if failpoint("checkpoint-write-fails", step) {
+            // A test's stand-in for a full disk.
+            return Err(CheckpointError::Io {
+                path,
+                source: std::io::Error::other("no space left on device (failpoint)"),
+            });
+        }
         let bytes = safetensors::tensor::serialize(contents.tensors.iter().map(|(n, t)| (n.clone(), t)), &None)
             .map_err(|e| CheckpointError::Corrupt { path: path.clone(), message: format!("cannot serialize: {e}") })?;
         write_synced(&path, &bytes)?;

@@ -77,6 +77,7 @@ impl From<EngineError> for CliError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::Recipe(diags) => Self::Recipe(diags),
+            e @ EngineError::Locked { .. } => Self::Usage(e.to_string()),
             e => Self::Runtime(e.to_string()),
         }
     }
