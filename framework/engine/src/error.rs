@@ -37,6 +37,20 @@ pub enum EngineError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The run was stopped by a signal after `step`, its checkpoint saved in `dir`.
+    #[error(
+        "stopped by {} after step {step}; the checkpoint is saved: resume with `trainrec run --resume {}`",
+        signal_name(*signal),
+        run_dir.display()
+    )]
+    Stopped {
+        /// The signal (SIGINT 2, SIGTERM 15).
+        signal: i32,
+        /// The last step trained.
+        step: u64,
+        /// The run directory.
+        run_dir: PathBuf,
+    },
     /// Another process holds the run directory (its advisory lock, `RUN_DIR/.lock`).
     #[error(
         "run directory {} is in use by {holder}; wait for that run to end, or give this one another run.output_dir",
@@ -89,5 +103,14 @@ impl From<trainrec_embedding::EmbeddingError> for EngineError {
 impl From<trainrec_sparse::SparseError> for EngineError {
     fn from(e: trainrec_sparse::SparseError) -> Self {
         Self::Data(e.into())
+    }
+}
+
+/// A stop signal's name.
+fn signal_name(signal: i32) -> String {
+    match signal {
+        libc::SIGINT => "SIGINT (Ctrl-C)".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        s => format!("signal {s}"),
     }
 }

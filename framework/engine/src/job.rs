@@ -515,6 +515,7 @@ impl Job {
             );
         }
         let (first_epoch, first_step) = (p.epoch, p.step);
+        let mut stopped: Option<i32> = None;
         'outer: for epoch in first_epoch..epochs {
             if done(p.step) {
                 break;
@@ -613,6 +614,18 @@ impl Job {
                 if let Some(e) = read_error {
                     return Err(e.into());
                 }
+                // A stop signal on any rank: every rank ends after this step.
+                if crate::runtime::stop_handlers_installed() {
+                    let mine = crate::runtime::stop_signal().unwrap_or(0);
+                    let any = match &self.sync {
+                        Some(s) => s.any_has(mine != 0)?,
+                        None => mine != 0,
+                    };
+                    if any {
+                        stopped = Some(if mine != 0 { mine } else { libc::SIGTERM });
+                        break 'outer;
+                    }
+                }
                 if done(step) {
                     break 'outer;
                 }
@@ -632,6 +645,18 @@ impl Job {
         }
         self.pipeline.discard(&mut self.sparse);
         let (step, samples) = (p.step, p.samples);
+        if let Some(signal) = stopped {
+            // Stopped: the step's checkpoint (the loss window and the data position in it) and
+            // the metric files as they are, so the resumed run writes the uninterrupted one's.
+            if train.checkpoint_every.is_none_or(|n| step % n != 0) {
+                self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
+            }
+            bar.finish_and_clear();
+            if let Some(log) = log {
+                log.finish()?;
+            }
+            return Err(EngineError::Stopped { signal, step, run_dir: out_dir });
+        }
         let (sum, n) = p.window();
         if n > 0 {
             let mean = sum / n as f64;

@@ -507,3 +507,53 @@ fn a_second_writer_is_refused_and_a_killed_holder_never_blocks() {
     assert_eq!(code, Some(0), "a killed holder's lock is gone: {err}");
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) end a run gracefully: it finishes
+/// the step, saves a checkpoint of it and exits 143 / 130 saying how to resume; the resumed run
+/// writes the uninterrupted run's metrics, on one rank and on two.
+#[test]
+fn a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly() {
+    for (world, signal, code) in [(1, "-TERM", 143), (2, "-INT", 130)] {
+        let out = out_dir(&format!("signal-{world}"));
+        let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
+        for s in settings(world, &out).into_iter().chain(["train.steps=1000000".to_string()]) {
+            args.extend(["--set".to_string(), s]);
+        }
+        let child = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+            .args(&args)
+            .current_dir(workspace())
+            .env("OMP_NUM_THREADS", "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !out.join("checkpoints").join("step-00000020").exists() {
+            assert!(std::time::Instant::now() < deadline, "the run never checkpointed");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let killed = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
+        assert!(killed.success());
+        let done = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert_eq!(done.status.code(), Some(code), "{err}");
+        assert!(err.contains("the checkpoint is saved: resume with `trainrec run --resume"), "{err}");
+        let stopped: u64 = checkpoints(&out)
+            .iter()
+            .filter_map(|n| n.strip_prefix("step-").and_then(|s| s.parse().ok()))
+            .max()
+            .unwrap();
+        assert!(err.contains(&format!("after step {stopped};")), "the checkpoint is the last step: {err}");
+        assert!(!checkpoints(&out).iter().any(|n| n.ends_with(".partial")));
+        // Resumed to 30 steps past the stop, it writes what a run of that length writes.
+        let steps = format!("train.steps={}", stopped + 30);
+        let (code, err) = resume(&out, &[&steps]);
+        assert_eq!(code, Some(0), "{err}");
+        let through = out_dir(&format!("signal-through-{world}"));
+        assert_eq!(run_with(world, &through, None, &[&steps]).0, Some(0));
+        assert_eq!(metrics(&out), metrics(&through), "world {world}, stopped after step {stopped}");
+        for d in [out, through] {
+            std::fs::remove_dir_all(d).unwrap();
+        }
+    }
+}

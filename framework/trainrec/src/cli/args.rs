@@ -38,6 +38,9 @@ pub enum CliError {
     Runtime(String),
     /// A process this command started (`mpirun`) exited with this code.
     Child(u8),
+    /// A run stopped by a signal, its checkpoint saved (the message says how to resume): exit
+    /// `128 + signal`.
+    Stopped(String, u8),
 }
 
 impl CliError {
@@ -46,7 +49,7 @@ impl CliError {
         match self {
             Self::Usage(_) | Self::Recipe(_) | Self::Invalid => 2,
             Self::Runtime(_) => 1,
-            Self::Child(code) => *code,
+            Self::Child(code) | Self::Stopped(_, code) => *code,
         }
     }
 
@@ -54,6 +57,7 @@ impl CliError {
     pub fn report(&self) {
         match self {
             Self::Usage(m) | Self::Runtime(m) => eprintln!("error: {m}"),
+            Self::Stopped(m, _) => eprintln!("{m}"),
             Self::Recipe(diags) => eprintln!("{diags}"),
             Self::Invalid | Self::Child(_) => {}
         }
@@ -78,6 +82,7 @@ impl From<EngineError> for CliError {
         match e {
             EngineError::Recipe(diags) => Self::Recipe(diags),
             e @ EngineError::Locked { .. } => Self::Usage(e.to_string()),
+            EngineError::Stopped { signal, .. } => Self::Stopped(e.to_string(), (128 + signal) as u8),
             e => Self::Runtime(e.to_string()),
         }
     }

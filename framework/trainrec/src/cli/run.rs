@@ -124,6 +124,8 @@ pub(crate) fn run(
     };
     drop(checkpoint);
     let resume = resume_dir.as_deref();
+    // SIGINT / SIGTERM: finish the step, save a checkpoint and exit 130 / 143 (a second: at once).
+    trainrec_engine::runtime::install_stop_handlers();
     // Training allocates the same large tensors every step: keep their pages mapped.
     let tuned = trainrec_engine::tensors::tune_allocator();
     tracing::debug!(tuned, "allocator tuning");
