@@ -361,24 +361,26 @@ impl Job {
     /// keeps its shards' blocks of it; the optimizer state is kept). For starting a job from
     /// weights trained elsewhere, before [`Job::train_step`] or [`Job::run`].
     pub fn set_table_weights(&mut self, name: &str, weights: &[f32]) -> Result<(), EngineError> {
+        // The recipe's shape (a rank may hold no shard of the table).
+        let table = self
+            .recipe
+            .tables
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| EngineError::Internal(format!("no table {name}")))?;
+        let (rows, dim) = (table.rows as usize, table.dim);
+        if weights.len() != rows * dim {
+            return Err(EngineError::Internal(format!(
+                "table {name} holds {rows} x {dim} weights, {} given",
+                weights.len()
+            )));
+        }
         let mut shards = self.sparse.local_shards();
-        let mut found = false;
         for s in shards.iter_mut().filter(|s| s.table == name) {
-            let [rows, dim] = s.table_shape;
-            if weights.len() != rows * dim {
-                return Err(EngineError::Internal(format!(
-                    "table {name} holds {rows} x {dim} weights, {} given",
-                    weights.len()
-                )));
-            }
             s.weights.clear();
             for r in s.rows.clone() {
                 s.weights.extend_from_slice(&weights[r as usize * dim..][s.cols.clone()]);
             }
-            found = true;
-        }
-        if !found && self.sparse.table_weights(name)?.is_none() {
-            return Err(EngineError::Internal(format!("no table {name}")));
         }
         self.sparse.load_local_shards(shards)
     }
@@ -502,6 +504,8 @@ impl Job {
         let start_samples = p.samples;
         let epochs = train.epochs.unwrap_or(u64::MAX);
         let done = |step: u64| train.steps.is_some_and(|n| step >= n);
+        // Whether `checkpoint_every` saves after `step`.
+        let periodic_save = |step: u64| train.checkpoint_every.is_some_and(|n| step.is_multiple_of(n));
         let pipeline = self.recipe.pipeline.clone();
         // The pipelines that read ahead; managed collisions remap a batch's ids just before
         // its lookup (the remap of batch i+1 resets rows batch i's update writes), so those
@@ -603,7 +607,7 @@ impl Job {
                     log_write(&mut log, step, "eval", &m)?;
                     p.set_last_eval(&m);
                 }
-                if train.checkpoint_every.is_some_and(|n| step % n == 0) {
+                if periodic_save(step) {
                     self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
                 }
                 if lead && crate::checkpoint::failpoint("abort-after-step", step) {
@@ -648,7 +652,7 @@ impl Job {
         if let Some(signal) = stopped {
             // Stopped: the step's checkpoint (the loss window and the data position in it) and
             // the metric files as they are, so the resumed run writes the uninterrupted one's.
-            if train.checkpoint_every.is_none_or(|n| step % n != 0) {
+            if !periodic_save(step) {
                 self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
             }
             bar.finish_and_clear();
@@ -675,8 +679,7 @@ impl Job {
         };
         // The trained model, unless `checkpoint_every` saved this step already (or nothing
         // trained: a run resumed from its last step).
-        let saved = train.checkpoint_every.is_some_and(|n| step % n == 0);
-        if train.final_checkpoint && !saved && step > first_step {
+        if train.final_checkpoint && !periodic_save(step) && step > first_step {
             self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
         }
         bar.finish_and_clear();

@@ -270,18 +270,15 @@ pub(crate) fn tensors(
         || batch.labels.len() != batch.batch_size * layout.num_labels
         || batch.sparse.examples() != batch.batch_size
     {
-        return Err(EngineError::Data(trainrec_data::DataError::Config {
-            key: String::new(),
-            message: format!(
-                "the sampler produced an inconsistent batch: batch_size {}, {} dense values ({} per example expected), {} labels ({} per example expected), sparse stride {}",
-                batch.batch_size,
-                batch.dense.len(),
-                layout.num_dense,
-                batch.labels.len(),
-                layout.num_labels,
-                batch.sparse.examples()
-            ),
-        }));
+        return Err(inconsistent(format!(
+            "the sampler produced an inconsistent batch: batch_size {}, {} dense values ({} per example expected), {} labels ({} per example expected), sparse stride {}",
+            batch.batch_size,
+            batch.dense.len(),
+            layout.num_dense,
+            batch.labels.len(),
+            layout.num_labels,
+            batch.sparse.examples()
+        )));
     }
     match &batch.weights {
         Some(w) if !layout.weighted || w.len() != batch.batch_size => {
