@@ -18,6 +18,7 @@ use tch::{Tensor, nn, nn::Module};
 use trainrec_types::Diagnostic;
 
 use crate::mlp::{self, mlp, mlp_parameters};
+use crate::script::{ScriptModule, Vars};
 use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DeepFM as TorchRec's `SimpleDeepFMNN`: a factorization machine and a deep MLP over the
@@ -82,6 +83,22 @@ impl DenseModel for DeepFm {
         let deep = self.deep.forward(&x);
         let fm = fm_cross_term(&x);
         self.over.forward(&Tensor::cat(&[d, deep, fm], 1))
+    }
+
+    fn torchscript(&self, vars: &Vars, m: &mut ScriptModule) -> Result<(), ModelError> {
+        let mut body = Vec::new();
+        let d = m.mlp(&mut body, vars, "dense_arch", "dense", true)?;
+        body.push(format!("    x = torch.cat([{d}, sparse], 1)"));
+        let deep = m.mlp(&mut body, vars, "deep_fm", "x", true)?;
+        body.push("    s = torch.sum(x, [1], True)".into());
+        body.push("    fm = (s * s - torch.sum(x * x, [1], True)) * 0.5".into());
+        body.push(format!("    y = torch.cat([{d}, {deep}, fm], 1)"));
+        let out = m.mlp(&mut body, vars, "over_arch", "y", false)?;
+        m.method(format!(
+            "def dense_forward(self, dense: Tensor, sparse: Tensor) -> Tensor:\n{}\n    return {out}\n",
+            body.join("\n")
+        ));
+        Ok(())
     }
 }
 

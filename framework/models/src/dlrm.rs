@@ -7,6 +7,7 @@ use tch::{Tensor, nn, nn::Module};
 use trainrec_types::Diagnostic;
 
 use crate::mlp::{self, mlp_parameters};
+use crate::script::{ScriptModule, Vars};
 use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DLRM as TorchRec builds it: a dense-arch MLP, pairwise dot interactions with every pooled
@@ -103,6 +104,23 @@ impl DenseModel for Dlrm {
         let d = self.dense.forward(dense);
         let x = self.interaction(&d, sparse);
         self.over.forward(&x)
+    }
+
+    fn torchscript(&self, vars: &Vars, m: &mut ScriptModule) -> Result<(), ModelError> {
+        let mut body = Vec::new();
+        let d = m.mlp(&mut body, vars, "dense_arch", "dense", true)?;
+        let upper = m.tensor("dlrm_upper", &self.upper)?;
+        let (f, dim, n) = (self.num_sparse, self.dim, self.num_sparse + 1);
+        body.push(format!("    b = {d}.size(0)"));
+        body.push(format!("    xs = torch.cat([torch.unsqueeze({d}, 1), torch.reshape(sparse, [b, {f}, {dim}])], 1)"));
+        body.push(format!("    gram = torch.reshape(torch.bmm(xs, torch.transpose(xs, 1, 2)), [b, {}])", n * n));
+        body.push(format!("    x = torch.cat([{d}, torch.index_select(gram, 1, {upper})], 1)"));
+        let out = m.mlp(&mut body, vars, "over_arch", "x", false)?;
+        m.method(format!(
+            "def dense_forward(self, dense: Tensor, sparse: Tensor) -> Tensor:\n{}\n    return {out}\n",
+            body.join("\n")
+        ));
+        Ok(())
     }
 }
 

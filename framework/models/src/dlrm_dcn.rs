@@ -12,6 +12,7 @@ use tch::{Tensor, nn, nn::Module};
 use trainrec_types::Diagnostic;
 
 use crate::mlp::{self, mlp, mlp_parameters};
+use crate::script::{ScriptModule, Vars};
 use crate::{DenseModel, ModelError, ModelInputs};
 
 /// DLRM with a DCN-v2 low-rank cross network (TorchRec's `DLRM_DCN`) in place of the dot
@@ -100,6 +101,25 @@ impl DenseModel for DlrmDcn {
         // concatenating the dense-arch output before the pooled embeddings' columns.
         let x0 = Tensor::cat(&[&d, sparse], 1);
         self.over.forward(&self.crossnet(&x0))
+    }
+
+    fn torchscript(&self, vars: &Vars, m: &mut ScriptModule) -> Result<(), ModelError> {
+        let mut body = Vec::new();
+        let d = m.mlp(&mut body, vars, "dense_arch", "dense", true)?;
+        body.push(format!("    x0 = torch.cat([{d}, sparse], 1)"));
+        body.push("    x = x0".into());
+        for l in 0..self.cross.len() {
+            let w = m.var(vars, &format!("crossnet.w{l}"))?;
+            let v = m.var(vars, &format!("crossnet.v{l}"))?;
+            let b = m.var(vars, &format!("crossnet.b{l}"))?;
+            body.push(format!("    x = x0 * (torch.matmul(torch.matmul(x, torch.t({v})), torch.t({w})) + {b}) + x"));
+        }
+        let out = m.mlp(&mut body, vars, "over_arch", "x", false)?;
+        m.method(format!(
+            "def dense_forward(self, dense: Tensor, sparse: Tensor) -> Tensor:\n{}\n    return {out}\n",
+            body.join("\n")
+        ));
+        Ok(())
     }
 }
 

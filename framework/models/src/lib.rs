@@ -10,6 +10,7 @@ pub mod dlrm;
 pub mod dlrm_dcn;
 mod mlp;
 pub mod optim;
+pub mod script;
 pub mod two_tower;
 
 pub use deepfm::{DeepFm, DeepFmConfig, DeepFmFactory};
@@ -30,6 +31,13 @@ pub enum ModelError {
     /// libtorch reported an error.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    /// The model cannot be written as TorchScript (it does not implement
+    /// [`DenseModel::torchscript`]).
+    #[error("this model has no TorchScript form (its DenseModel does not implement `torchscript`)")]
+    NotScriptable,
+    /// Writing the TorchScript file failed.
+    #[error("TorchScript export: {0}")]
+    Script(String),
 }
 
 /// What a model sees of the job: its inputs.
@@ -63,6 +71,18 @@ pub trait DenseModel: Send {
     /// retrieval metrics (`recall_at_k`) need it.
     fn retrieval(&self) -> Option<&dyn Retrieval> {
         None
+    }
+
+    /// Writes the model into a TorchScript serving file (`trainrec export --format
+    /// torchscript`): the method
+    /// `def dense_forward(self, dense: Tensor, sparse: Tensor) -> Tensor` computing the same
+    /// logits as [`DenseModel::forward`] in eval mode, and for a [`Retrieval`] model also
+    /// `def query_tower(self, dense: Tensor, sparse: Tensor) -> Tensor` and
+    /// `def candidate_tower(self, sparse: Tensor) -> Tensor`. `vars` are the model's variables
+    /// by their VarStore names (trained values); add the ones the source reads with
+    /// [`script::ScriptModule::var`]. The default: [`ModelError::NotScriptable`].
+    fn torchscript(&self, _vars: &script::Vars, _module: &mut script::ScriptModule) -> Result<(), ModelError> {
+        Err(ModelError::NotScriptable)
     }
 }
 

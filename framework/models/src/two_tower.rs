@@ -19,6 +19,7 @@ use tch::{Kind, Tensor, nn, nn::Module};
 use trainrec_types::{Diagnostic, FeatureRef};
 
 use crate::mlp::{check_layer_sizes, mlp, mlp_parameters, model_key};
+use crate::script::{ScriptModule, Vars};
 use crate::{DenseModel, LossInput, ModelError, ModelInputs, Retrieval};
 
 /// Two-tower retrieval: query and candidate towers over their own features, dot-product
@@ -183,6 +184,28 @@ impl DenseModel for TwoTower {
         let q = self.query_embeddings(dense, sparse);
         let c = self.candidate_embeddings(sparse);
         (q * c).sum_dim_intlist(1, true, Kind::Float) / self.temperature
+    }
+
+    fn torchscript(&self, vars: &Vars, m: &mut ScriptModule) -> Result<(), ModelError> {
+        let qcols = m.tensor("query_cols", &self.query_cols)?;
+        let ccols = m.tensor("candidate_cols", &self.candidate_cols)?;
+        let mut body = Vec::new();
+        let q = m.mlp(&mut body, vars, "query_tower", &format!("torch.index_select(sparse, 1, {qcols})"), true)?;
+        m.method(format!(
+            "def query_tower(self, dense: Tensor, sparse: Tensor) -> Tensor:\n{}\n    return {q}\n",
+            body.join("\n")
+        ));
+        let mut body = Vec::new();
+        let c = m.mlp(&mut body, vars, "candidate_tower", &format!("torch.index_select(sparse, 1, {ccols})"), true)?;
+        m.method(format!(
+            "def candidate_tower(self, sparse: Tensor) -> Tensor:\n{}\n    return {c}\n",
+            body.join("\n")
+        ));
+        m.method(format!(
+            "def dense_forward(self, dense: Tensor, sparse: Tensor) -> Tensor:\n    q = self.query_tower(dense, sparse)\n    c = self.candidate_tower(sparse)\n    return torch.sum(q * c, [1], True) / {:?}\n",
+            self.temperature
+        ));
+        Ok(())
     }
 
     fn loss(&mut self, input: &LossInput<'_>) -> Option<Tensor> {
