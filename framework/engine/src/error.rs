@@ -71,6 +71,10 @@ pub enum EngineError {
     /// A split produced no batches.
     #[error("the sampler's {0} split produced no batches; check its size settings")]
     EmptySplit(&'static str),
+    /// The recipe's model or tables cannot take the asked form (the message says which and
+    /// what to do instead).
+    #[error("{0}")]
+    Unsupported(String),
     /// A broken internal invariant: a trainrec bug.
     #[error("internal error (please report): {0}")]
     Internal(String),

@@ -200,7 +200,7 @@ pub(crate) fn retrieval_spec(
 
 /// Expands a variable-batch (VBE) KJT in place to one bag per example (managed collisions
 /// count every example's ids); any other KJT is left as it is, without a copy.
-pub(crate) fn expand_vbe(kjt: &mut trainrec_sparse::KeyedJaggedTensor) -> Result<(), EngineError> {
+pub fn expand_vbe(kjt: &mut trainrec_sparse::KeyedJaggedTensor) -> Result<(), EngineError> {
     if let std::borrow::Cow::Owned(full) = kjt.full_batch()? {
         *kjt = full;
     }

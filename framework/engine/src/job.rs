@@ -60,6 +60,31 @@ pub struct Job {
     pub(crate) updates: u64,
 }
 
+/// The recipe's sampler as rank `rank` of `world_size` reads it (the recipe must have passed
+/// [`crate::check_loaded`]).
+pub fn build_sampler(
+    loaded: &LoadedRecipe,
+    registry: &Registry,
+    rank: usize,
+    world_size: usize,
+) -> Result<Box<dyn trainrec_data::Sampler>, EngineError> {
+    let recipe = &loaded.recipe;
+    let mut feature_rows = BTreeMap::new();
+    for table in &recipe.tables {
+        // A managed-collision table's features carry raw ids of its larger id space.
+        let space = table.mc.as_ref().map_or(table.rows, |mc| mc.input_hash_size);
+        for f in &table.features {
+            feature_rows.insert(FeatureRef::parse(f).input.to_string(), space);
+        }
+    }
+    let kind = recipe.data.sampler.kind().unwrap_or_default();
+    let factory =
+        registry.sampler_for(kind).ok_or_else(|| EngineError::Internal(format!("sampler {kind} vanished")))?;
+    let ctx =
+        SamplerContext { feature_rows, base_dir: loaded.base_dir.clone(), seed: recipe.run.seed, rank, world_size };
+    Ok(factory.build(&recipe.data.sampler.config(), &ctx)?)
+}
+
 impl Job {
     /// Builds every part of a one-rank job. The recipe must have passed
     /// [`crate::check_loaded`]; a recipe with `topology.world_size > 1` is built per rank by
@@ -102,20 +127,7 @@ impl Job {
         }
         let (rank, world_size) = pg.as_ref().map_or((0, 1), |g| (g.rank(), g.world_size()));
 
-        let mut feature_rows = BTreeMap::new();
-        for table in &recipe.tables {
-            // A managed-collision table's features carry raw ids of its larger id space.
-            let space = table.mc.as_ref().map_or(table.rows, |mc| mc.input_hash_size);
-            for f in &table.features {
-                feature_rows.insert(FeatureRef::parse(f).input.to_string(), space);
-            }
-        }
-        let kind = recipe.data.sampler.kind().unwrap_or_default();
-        let factory =
-            registry.sampler_for(kind).ok_or_else(|| EngineError::Internal(format!("sampler {kind} vanished")))?;
-        let ctx =
-            SamplerContext { feature_rows, base_dir: loaded.base_dir.clone(), seed: recipe.run.seed, rank, world_size };
-        let sampler = factory.build(&recipe.data.sampler.config(), &ctx)?;
+        let sampler = build_sampler(loaded, registry, rank, world_size)?;
 
         let vs = nn::VarStore::new(device);
         let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);

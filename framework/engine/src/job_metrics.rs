@@ -88,6 +88,38 @@ impl RecallAtK {
 }
 
 impl Job {
+    /// The sampler's batches of `split` (one pass; the train split in epoch 0's order).
+    pub fn batches(&self, split: Split, batch_size: usize) -> Result<trainrec_data::BatchStream, EngineError> {
+        Ok(self.sampler.batches(split, 0, batch_size)?)
+    }
+
+    /// The tasks: (name, label column), in the order of the model's logits.
+    pub fn tasks(&self) -> &[(String, usize)] {
+        &self.layout.tasks
+    }
+
+    /// What the sampler produces.
+    pub fn sampler_schema(&self) -> &trainrec_data::FeatureSchema {
+        self.sampler.schema()
+    }
+
+    /// The batch size of an evaluation (`data.eval_batch_size`, else `data.batch_size`).
+    pub fn eval_batch_size(&self) -> usize {
+        self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size)
+    }
+
+    /// The model's logits `[batch, tasks]` (fp32, on the CPU) for one batch of one rank's job,
+    /// as an evaluation computes them (managed-collision ids remapped without counting).
+    pub fn predict_logits(&self, mut batch: Batch) -> Result<Tensor, EngineError> {
+        if !self.mc.is_empty() {
+            expand_vbe(&mut batch.sparse)?;
+            self.mc.eval(&mut batch.sparse)?;
+        }
+        let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
+        let (dense, sparse, _, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
+        Ok(tch::no_grad(|| self.model.forward(&dense, &sparse, false).to_kind(Kind::Float).to_device(Device::Cpu)))
+    }
+
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
     /// job has several tasks).
     pub fn evaluate(&self) -> Result<BTreeMap<String, f64>, EngineError> {
@@ -174,7 +206,7 @@ impl Job {
 
     /// Every candidate of the corpus embedded by the candidate tower: `[rows, d]`, row `r` the
     /// candidate whose id is `r`.
-    fn corpus_embeddings(&self, spec: &RetrievalSpec) -> Result<Tensor, EngineError> {
+    pub(crate) fn corpus_embeddings(&self, spec: &RetrievalSpec) -> Result<Tensor, EngineError> {
         let retrieval = self.model.retrieval().ok_or_else(|| EngineError::Internal("retrieval vanished".into()))?;
         let keys = self.sampler.schema().sparse.clone();
         let k = keys.iter().position(|f| *f == spec.input).ok_or_else(|| {

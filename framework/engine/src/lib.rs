@@ -29,6 +29,7 @@ pub mod run_dir;
 pub mod runtime;
 mod sparse_arch;
 pub mod tensors;
+pub mod torchscript;
 /// The registry lives in the plugin crate (plugin authors depend on that crate alone).
 pub use trainrec_plugin::registry;
 
@@ -37,7 +38,7 @@ pub use data_parallel::DataParallel;
 pub use dmp::{DistributedModelParallel, StateEntry};
 pub use error::EngineError;
 pub use gpu::preload_torch_cuda;
-pub use job::Job;
+pub use job::{Job, build_sampler};
 pub use run_dir::RunSummary;
 pub use runtime::{configure_threads, with_torch_seed};
 pub use trainrec_plugin::{

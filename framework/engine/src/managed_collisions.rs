@@ -180,7 +180,56 @@ pub(crate) struct PartState {
     pub(crate) first_row: u64,
 }
 
+/// What serving needs to remap one managed-collision table's raw ids as an evaluation does:
+/// the tracked ids with their rows (sorted by id), and per part its first raw id, first row,
+/// rows and zero-collision slots (an untracked id's fallback row).
+pub(crate) struct McServing {
+    pub(crate) table: String,
+    pub(crate) ids: Vec<i64>,
+    pub(crate) rows: Vec<i64>,
+    pub(crate) part_start: Vec<i64>,
+    pub(crate) first_row: Vec<i64>,
+    pub(crate) part_rows: Vec<i64>,
+    pub(crate) zch: Vec<i64>,
+}
+
 impl McTables {
+    /// Every table's [`McServing`]; every part must be held here (a one-rank job).
+    pub(crate) fn serving(&self) -> Result<Vec<McServing>, EngineError> {
+        let mut out = Vec::new();
+        for t in &self.tables {
+            if t.parts.iter().any(|p| !p.here) {
+                return Err(bad(&t.name, "a serving export needs every partition on one rank"));
+            }
+            let mut pairs: Vec<(i64, i64)> = Vec::new();
+            let mut s = McServing {
+                table: t.name.clone(),
+                ids: Vec::new(),
+                rows: Vec::new(),
+                part_start: Vec::new(),
+                first_row: Vec::new(),
+                part_rows: Vec::new(),
+                zch: Vec::new(),
+            };
+            for (i, p) in t.parts.iter().enumerate() {
+                for (slot, id) in p.module.tracked().into_iter().enumerate() {
+                    if let Some(id) = id {
+                        pairs.push((id, (p.rows.start + slot as u64) as i64));
+                    }
+                }
+                let c = p.module.config();
+                s.part_start.push((i as u64 * t.raw_block) as i64);
+                s.first_row.push(p.rows.start as i64);
+                s.part_rows.push(c.rows as i64);
+                s.zch.push(c.zch_size as i64);
+            }
+            pairs.sort_unstable();
+            (s.ids, s.rows) = pairs.into_iter().unzip();
+            out.push(s);
+        }
+        Ok(out)
+    }
+
     /// The recipe's managed-collision tables (settings already validated), split as
     /// `mc.partitions` says or, by default, in the plan's row blocks of a row-wise table.
     pub(crate) fn new(recipe: &Recipe, plan: &Plan) -> Result<Self, EngineError> {

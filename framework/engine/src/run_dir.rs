@@ -63,6 +63,28 @@ pub fn lock_run_dir(dir: &Path, command: &str) -> Result<RunDirLock, EngineError
     }
 }
 
+/// Locks run directory `dir` for reading (`trainrec eval`, `export`, `predict`): a shared
+/// `flock`, so readers run side by side but not while a run or a `--resume` writes there (its
+/// holder is named, as [`lock_run_dir`] names it).
+pub fn lock_run_dir_shared(dir: &Path) -> Result<RunDirLock, EngineError> {
+    use std::io::Read;
+    let path = dir.join(".lock");
+    let io = |source| EngineError::Io { path: path.clone(), source };
+    let mut file =
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
+    match file.try_lock_shared() {
+        Ok(()) => Ok(RunDirLock { _file: file }),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let holder = if holder.is_empty() { "another process".to_string() } else { holder.to_string() };
+            Err(EngineError::Locked { dir: dir.to_path_buf(), holder })
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
+    }
+}
+
 /// What a finished run reports.
 #[derive(Clone, Debug)]
 pub struct RunSummary {
@@ -243,6 +265,21 @@ pub(crate) fn human(x: f64) -> String {
     } else {
         format!("{x:.0}")
     }
+}
+
+/// A spinner on stderr counting examples (`what`: what is being done), drawn only on a
+/// terminal.
+pub fn spinner(what: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new_spinner().with_style(
+        ProgressStyle::with_template("{elapsed_precise} {spinner} {pos} examples · {per_sec} · {msg}")
+            .expect("valid template"),
+    );
+    bar.set_message(what.to_string());
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
+    bar
 }
 
 pub(crate) fn progress_bar(steps: Option<u64>, enabled: bool) -> ProgressBar {

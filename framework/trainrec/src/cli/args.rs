@@ -81,7 +81,7 @@ impl From<EngineError> for CliError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::Recipe(diags) => Self::Recipe(diags),
-            e @ EngineError::Locked { .. } => Self::Usage(e.to_string()),
+            e @ (EngineError::Locked { .. } | EngineError::Unsupported(_)) => Self::Usage(e.to_string()),
             EngineError::Stopped { signal, .. } => Self::Stopped(e.to_string(), (128 + signal) as u8),
             e => Self::Runtime(e.to_string()),
         }

@@ -9,6 +9,7 @@ mod eval;
 mod launch;
 mod list;
 mod plan;
+mod predict;
 mod run;
 
 use std::path::PathBuf;
@@ -119,11 +120,14 @@ pub enum Command {
         #[command(flatten)]
         overrides: Overrides,
     },
-    /// Write a run's newest checkpoint (or `--step N`'s) as one unsharded safetensors file:
-    /// `embedding_bags.<table>.weight` (TorchRec's EBC state-dict names), `dense.<variable>`,
-    /// and `managed_collisions.<table>.ids`; loadable with `safetensors.torch.load_file`.
+    /// Write a run's newest checkpoint (or `--step N`'s) for serving or for PyTorch:
+    /// `--format safetensors` (the default; `embedding_bags.<table>.weight` as TorchRec's EBC
+    /// state dict names them, `dense.<variable>`, `managed_collisions.<table>.ids`), or
+    /// `--format torchscript` (the default for an `--out` ending in `.pt`): one TorchScript
+    /// file of the whole model (lookups over fp32 or `--quantize`d tables, the managed-collision
+    /// remap, the dense model, the task heads) that `torch.jit.load` and libtorch run.
     Export {
-        /// A run directory with checkpoints (`train.checkpoint_every`).
+        /// A run directory with checkpoints.
         run_dir: PathBuf,
         /// The file to write.
         #[arg(long)]
@@ -131,6 +135,40 @@ pub enum Command {
         /// Export the checkpoint of this step instead of the newest.
         #[arg(long)]
         step: Option<u64>,
+        /// The file format (default: by `--out`'s extension; `.pt` is TorchScript).
+        #[arg(long, value_parser = trainrec_types::cli::word::<eval::ExportFormat>())]
+        format: Option<eval::ExportFormat>,
+        /// Quantize the tables of a TorchScript export (int8 row-wise as FBGEMM's layout, or
+        /// fp16).
+        #[arg(long, value_parser = trainrec_types::cli::word::<trainrec_embedding::quant::QuantPrecision>())]
+        quantize: Option<trainrec_embedding::quant::QuantPrecision>,
+    },
+    /// Score a data source with a run's checkpoint (`RUN_DIR`) or a TorchScript export
+    /// (`model.pt`, scored through libtorch): one row per example of the split (`row`, the
+    /// labels `label_<task>` when the data has them, the probability `<task>` and the logit
+    /// `logit_<task>` per task), written to a Parquet, CSV or JSON-lines file (by `--out`'s
+    /// extension). `--set data.sampler.<key>=...` points it at other data.
+    Predict {
+        /// A run directory with checkpoints, or a `.pt` file written by `trainrec export`.
+        source: PathBuf,
+        /// The file to write: `.parquet`, `.csv` or `.jsonl`.
+        #[arg(long)]
+        out: PathBuf,
+        /// Which split of the data to score.
+        #[arg(long, default_value = "eval", value_parser = trainrec_types::cli::word::<trainrec_types::Split>())]
+        split: trainrec_types::Split,
+        /// Score the checkpoint of this step instead of the newest (a run directory).
+        #[arg(long)]
+        step: Option<u64>,
+        /// Quantize the tables first (a run directory), as `trainrec eval --quantize`.
+        #[arg(long, value_parser = trainrec_types::cli::word::<trainrec_embedding::quant::QuantPrecision>())]
+        quantize: Option<trainrec_embedding::quant::QuantPrecision>,
+        /// Also write each example's model inputs: `dense` and `ids_<feature>` (lists).
+        #[arg(long)]
+        with_inputs: bool,
+        /// Overrides (`data.*`: the data to score, `data.eval_batch_size`).
+        #[command(flatten)]
+        overrides: Overrides,
     },
     /// Render PNG plots of every metric of a run over its steps into `RUN_DIR/plots/`.
     Report {
@@ -205,7 +243,10 @@ pub fn main_with(registry: Registry) -> ExitCode {
     init_tracing(cli.log_level.as_deref());
     // libtorch's CUDA half (absent from the CPU install; a CUDA torch's torch/lib on the
     // library path has it) loads before anything asks libtorch about CUDA.
-    if matches!(cli.command, Command::Run { .. } | Command::Eval { .. } | Command::Launch { .. }) {
+    if matches!(
+        cli.command,
+        Command::Run { .. } | Command::Eval { .. } | Command::Launch { .. } | Command::Predict { .. }
+    ) {
         trainrec_engine::preload_torch_cuda();
     }
     if let Err(e) = registry.validate() {
@@ -231,7 +272,14 @@ pub fn main_with(registry: Registry) -> ExitCode {
             }
             plan::plan(&registry, &recipe, out, &options)
         }
-        Command::Export { run_dir, out, step } => eval::export(&run_dir, &out, step),
+        Command::Export { run_dir, out, step, format, quantize } => {
+            eval::export(&registry, &run_dir, &out, step, format, quantize, &trainrec_recipe::LoadOptions::default())
+        }
+        Command::Predict { source, out, split, step, quantize, with_inputs, overrides } => predict::predict(
+            &registry,
+            &predict::PredictArgs { source, out, split, step, quantize, with_inputs },
+            &overrides.options(),
+        ),
         Command::Eval { run_dir, step, quantize, json, overrides } => {
             eval::eval(&registry, &run_dir, step, quantize, json, &overrides.options())
         }
