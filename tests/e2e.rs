@@ -370,6 +370,23 @@ fn the_example_plugins_train_through_a_users_registry() {
 }
 
 #[test]
+fn a_plugin_model_without_a_torchscript_form_is_refused_by_name() {
+    let options = LoadOptions { overrides: vec!["run.threads=1".into()], env: false };
+    let registry = custom_trainrec::registry();
+    let recipe = workspace().join("recipes/plugins/libsvm_wide_deep.toml");
+    let (loaded, features) = load_and_check(&recipe, &options, &registry).unwrap_or_else(|d| panic!("{d}"));
+    let job = Job::build(&loaded, &features, &registry).unwrap_or_else(|e| panic!("{e}"));
+    let out = out_dir("plugin-export").join("model.pt");
+    let e = trainrec::engine::torchscript::export_torchscript(&job, None, 0, &out).unwrap_err();
+    let message = e.to_string();
+    assert!(message.contains("model kind \"wide_deep\" cannot be exported to TorchScript"), "{message}");
+    assert!(message.contains("--format safetensors"), "{message}");
+    assert!(matches!(e, trainrec::engine::EngineError::Unsupported(_)), "{e:?}");
+    // Nothing written.
+    assert!(!out.exists() && !out.with_extension("tmp").exists());
+}
+
+#[test]
 fn criteo_sample_trains_dlrm_dcn() {
     let Some(_) = shared_data("criteo-kaggle-sample/train_examples.txt") else { return };
     let s = run_recipe("recipes/criteo/kaggle_dcn.toml", "criteo-dcn", &[]);

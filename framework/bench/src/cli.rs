@@ -254,6 +254,10 @@ pub struct DlrmArgs {
     /// instead of uniformly: the skewed accesses that make a cache pay.
     #[arg(long)]
     pub zipf_alpha: Option<f64>,
+    /// Inference mode: look up quantized tables (int8 row-wise, FBGEMM's layout, or fp16), as
+    /// `trainrec eval --quantize` does.
+    #[arg(long, value_parser = trainrec_types::cli::word::<trainrec_embedding::quant::QuantPrecision>())]
+    pub quantize: Option<trainrec_embedding::quant::QuantPrecision>,
 }
 
 /// Flags of `trainrec bench data`.
@@ -571,6 +575,7 @@ pub fn run(which: BenchCommand) -> ExitCode {
                 offload_dir: a.offload_dir,
                 prefetch: a.prefetch,
                 zipf_alpha: a.zipf_alpha,
+                quantize: a.quantize,
                 ..a.shape.bench()
             };
             print_bench(crate::dlrm::run(&bench))

@@ -113,6 +113,8 @@ pub struct DlrmBench {
     /// uniformly: rank `k` (0 the most frequent) with probability about `(k + 1)^-alpha`, the
     /// ranks scattered over the rows so hot rows do not sit together in memory or on disk.
     pub zipf_alpha: Option<f64>,
+    /// Inference with quantized tables (`trainrec eval --quantize`); `None`: fp32.
+    pub quantize: Option<trainrec_embedding::quant::QuantPrecision>,
 }
 
 impl Default for DlrmBench {
@@ -138,6 +140,7 @@ impl Default for DlrmBench {
             malloc_tuning: true,
             cache_load_factor: None,
             key_value: false,
+            quantize: None,
             offload_dir: None,
             prefetch: false,
             zipf_alpha: None,
@@ -299,6 +302,8 @@ pub(crate) fn make_batches(b: &DlrmBench, features: &FeatureSchema) -> Result<Ve
 /// the profiled copy of the train step).
 struct Parts {
     ebc: EmbeddingBagCollection,
+    /// The tables quantized for inference, when asked.
+    quant: Option<trainrec_embedding::quant::QuantizedEbc>,
     _vs: nn::VarStore,
     model: Box<dyn DenseModel>,
     dense_opt: DenseOptimizer,
@@ -319,7 +324,7 @@ impl Parts {
         let factory = registry.model_for(kind).ok_or_else(|| format!("no model {kind}"))?;
         let model = factory.build(&vs.root(), &recipe.model.config(), &inputs).map_err(|e| e.to_string())?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense).map_err(|e| e.to_string())?;
-        Ok(Self { ebc, _vs: vs, model, dense_opt, num_dense: features.num_dense })
+        Ok(Self { ebc, quant: None, _vs: vs, model, dense_opt, num_dense: features.num_dense })
     }
 
     /// Eval-mode logits `[batch, 1]` under `no_grad`; the EBC writes its output straight into
@@ -334,6 +339,11 @@ impl Parts {
     }
 
     fn pooled_tensor(&self, batch: &Batch) -> Result<Tensor, String> {
+        if let Some(q) = &self.quant {
+            let mut out = vec![0f32; batch.batch_size * q.width()];
+            q.forward_into(&batch.sparse, &mut out).map_err(|e| e.to_string())?;
+            return Ok(Tensor::from_slice(&out).view([batch.batch_size as i64, q.width() as i64]));
+        }
         trainrec_engine::tensors::pooled_tensor(
             &self.ebc,
             &batch.sparse,
@@ -521,6 +531,9 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
     if b.batch == 0 || b.steps == 0 || b.num_batches == 0 {
         return Err("batch, steps and num-batches must be > 0".into());
     }
+    if b.quantize.is_some() && b.mode != DlrmMode::Infer {
+        return Err("--quantize applies to --mode infer (training updates fp32 tables)".into());
+    }
     if let Some(a) = b.zipf_alpha.filter(|a| !(a.is_finite() && *a > 0.0)) {
         return Err(format!("--zipf-alpha {a}: the exponent must be a positive number"));
     }
@@ -594,7 +607,11 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
             r
         }
         DlrmMode::Infer => {
-            let parts = Parts::build(&loaded, &features, &registry)?;
+            let mut parts = Parts::build(&loaded, &features, &registry)?;
+            if let Some(q) = b.quantize {
+                parts.quant =
+                    Some(trainrec_embedding::quant::QuantizedEbc::from_ebc(&parts.ebc, q).map_err(|e| e.to_string())?);
+            }
             meta.insert("build_s".into(), json!(t0.elapsed().as_secs_f64()));
             tracing::info!("timing");
             time_steps(b.steps, b.warmup, || {
@@ -632,6 +649,7 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
             "num_batches": b.num_batches, "lr": b.lr, "eps": b.eps, "seed": b.seed, "threads": b.threads,
             "malloc_tuning": b.malloc_tuning, "dense_opt": "adagrad", "sparse_opt": "rowwise_adagrad",
             "zipf_alpha": b.zipf_alpha, "cache_load_factor": b.cache_load_factor,
+            "quantize": b.quantize.map(trainrec_types::Word::name),
             "offload_kernel": b.cache_load_factor.map(|_| if b.key_value { "key_value" } else { "fused_uvm_caching" }),
             "prefetch": b.prefetch,
         },

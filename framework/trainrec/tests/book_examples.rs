@@ -76,7 +76,26 @@ fn the_quickstart_chapter_shows_what_the_quickstart_prints() {
     let (dir, eval) = eval_block("quickstart", "recipes/quickstart.toml", "trained 1500 steps (768000 samples)");
     let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
     let first_eval = metrics.lines().find(|l| l.contains(r#""split":"eval""#)).expect("an eval line");
+    // The serving chapter: export the run, score its eval split with the file.
+    let mut serving = String::new();
+    for (shown, args) in [
+        ("./trainrec export runs/quickstart --out model.pt", vec!["export", "run", "--out", "model.pt"]),
+        (
+            "./trainrec predict model.pt --out predictions.jsonl",
+            vec!["predict", "model.pt", "--out", "predictions.jsonl"],
+        ),
+    ] {
+        let (code, stdout) = trainrec(&dir, &args);
+        assert_eq!(code, 0, "{stdout}");
+        serving.push_str(&format!("$ {shown}\n{stdout}"));
+    }
+    let predictions = std::fs::read_to_string(dir.join("predictions.jsonl")).unwrap();
+    serving.push_str("$ head -3 predictions.jsonl\n");
+    for line in predictions.lines().take(3) {
+        serving.push_str(&format!("{line}\n"));
+    }
     std::fs::remove_dir_all(&dir).unwrap();
+    check_example("serving_quickstart.txt", &serving);
     check_example("quickstart_eval.txt", &eval);
     check_example("quickstart_first_eval.jsonl", &format!("{first_eval}\n"));
 }

@@ -499,6 +499,19 @@ fn a_second_writer_is_refused_and_a_killed_holder_never_blocks() {
     );
     let (code, err) = resume(&out, &[]);
     assert_eq!(code, Some(2), "--resume is refused too: {err}");
+    // Readers (eval, export, predict) wait for the writer too: their shared lock is refused.
+    let dir = out.to_str().unwrap().to_string();
+    let model = out.with_extension("pt");
+    for reader in [
+        vec!["eval".to_string(), dir.clone()],
+        vec!["export".into(), dir.clone(), "--out".into(), model.to_str().unwrap().into()],
+        vec!["predict".into(), dir.clone(), "--out".into(), out.with_extension("csv").to_str().unwrap().into()],
+    ] {
+        let (code, err) = trainrec(&reader, None);
+        assert_eq!(code, Some(2), "{reader:?}: {err}");
+        assert!(err.contains(&format!("pid {pid} on ")), "{reader:?}: {err}");
+    }
+    assert!(!model.exists());
     first.kill().unwrap();
     first.wait().unwrap();
     let last: u64 =
