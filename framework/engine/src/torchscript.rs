@@ -238,7 +238,7 @@ pub fn script_module(job: &Job, quantize: Option<QuantPrecision>, step: u64) -> 
         );
         if let Some(spec) = corpus_spec(job) {
             let corpus = job.corpus_embeddings(&spec)?;
-            m.tensor("corpus", &corpus).map_err(|e| script_error(&kind, e))?;
+            m.tensor("corpus", &corpus).map_err(|e| script_error(&kind, e.into()))?;
             m.attr("corpus_feature", Attr::Strings(vec![spec.input.clone()]));
         }
     }
@@ -271,7 +271,7 @@ pub fn export_torchscript(
     let archive = out.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
     let bytes = m
         .archive(archive, &[("recipe.toml", job.resolved_toml.as_bytes()), ("trainrec.json", &meta)])
-        .map_err(|e| script_error(job.recipe.model.kind().unwrap_or_default(), e))?;
+        .map_err(|e| script_error(job.recipe.model.kind().unwrap_or_default(), e.into()))?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| EngineError::Io { path: parent.to_path_buf(), source: e })?;
     }

@@ -37,7 +37,7 @@ pub enum ModelError {
     NotScriptable,
     /// Writing the TorchScript file failed.
     #[error("TorchScript export: {0}")]
-    Script(String),
+    Script(#[from] script::ScriptError),
 }
 
 /// What a model sees of the job: its inputs.

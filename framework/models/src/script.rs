@@ -5,7 +5,7 @@
 //! at load), its attributes pickled in `data.pkl` (tensors by reference to `data/<n>` records),
 //! a file-format `version`, and any extra files (`extra/<name>`). [`ScriptModule`] collects a
 //! module's attributes and methods and writes that archive; the models write their dense part
-//! through it ([`crate::DenseModel::torchscript`]), the engine the embedding lookups around it.
+//! through it (`DenseModel::torchscript`), the engine the embedding lookups around it.
 //!
 //! Source is written in the serialized dialect `torch.jit.load` compiles: operators are called
 //! as `torch.<op>` or `ops.<namespace>.<op>` (not `torch.nn.functional`), tensors' own methods
@@ -17,7 +17,16 @@ use std::io::Write as _;
 
 use tch::{Kind, Tensor};
 
-use crate::ModelError;
+/// Why a module could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ScriptError(pub String);
+
+impl From<tch::TchError> for ScriptError {
+    fn from(e: tch::TchError) -> Self {
+        Self(format!("libtorch: {e}"))
+    }
+}
 
 /// The element type of a tensor attribute.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,11 +90,11 @@ impl TensorBytes {
         Self { dtype: Dtype::I64, shape, bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect() }
     }
     /// A tch tensor's values (copied to the CPU, made contiguous; fp64 becomes fp32).
-    pub fn from_tensor(t: &Tensor) -> Result<Self, ModelError> {
+    pub fn from_tensor(t: &Tensor) -> Result<Self, ScriptError> {
         let t = t.f_detach()?.f_to_device(tch::Device::Cpu)?;
         let t = if t.kind() == Kind::Double { t.f_to_kind(Kind::Float)? } else { t };
         let dtype = Dtype::of(t.kind()).ok_or_else(|| {
-            ModelError::Script(format!("a tensor of kind {:?} has no TorchScript attribute type here", t.kind()))
+            ScriptError(format!("a tensor of kind {:?} has no TorchScript attribute type here", t.kind()))
         })?;
         let t = t.f_contiguous()?;
         let numel = t.numel();
@@ -184,13 +193,13 @@ impl ScriptModule {
     }
 
     /// Adds a tensor attribute (a tch tensor's values, copied); returns `self.<name>`.
-    pub fn tensor(&mut self, name: &str, t: &Tensor) -> Result<String, ModelError> {
+    pub fn tensor(&mut self, name: &str, t: &Tensor) -> Result<String, ScriptError> {
         Ok(self.attr(name, Attr::Tensor(TensorBytes::from_tensor(t)?)))
     }
 
     /// Adds model variable `var` of `vars` as a tensor attribute.
-    pub fn var(&mut self, vars: &Vars, var: &str) -> Result<String, ModelError> {
-        let t = vars.get(var).ok_or_else(|| ModelError::Script(format!("the model has no variable {var}")))?;
+    pub fn var(&mut self, vars: &Vars, var: &str) -> Result<String, ScriptError> {
+        let t = vars.get(var).ok_or_else(|| ScriptError(format!("the model has no variable {var}")))?;
         self.tensor(var, t)
     }
 
@@ -210,10 +219,10 @@ impl ScriptModule {
         prefix: &str,
         input: &str,
         relu_last: bool,
-    ) -> Result<String, ModelError> {
+    ) -> Result<String, ScriptError> {
         let layers = (0..).take_while(|i| vars.contains_key(&format!("{prefix}.layer{i}.weight"))).count();
         if layers == 0 {
-            return Err(ModelError::Script(format!("the model has no layers under {prefix}")));
+            return Err(ScriptError(format!("the model has no layers under {prefix}")));
         }
         let out = identifier(prefix);
         let mut x = input.to_string();
@@ -256,15 +265,15 @@ impl ScriptModule {
 
     /// The archive's bytes: a TorchScript file whose top folder is `archive` (PyTorch names
     /// it after the file), with `extra` files under `extra/`.
-    pub fn archive(&self, archive: &str, extra: &[(&str, &[u8])]) -> Result<Vec<u8>, ModelError> {
+    pub fn archive(&self, archive: &str, extra: &[(&str, &[u8])]) -> Result<Vec<u8>, ScriptError> {
         let archive = identifier(archive);
         let (pickle, storages) = self.pickle();
         let source = self.source();
         let mut out = std::io::Cursor::new(Vec::new());
         let mut zip = zip::ZipWriter::new(&mut out);
-        let zerr = |e: zip::result::ZipError| ModelError::Script(format!("cannot write the archive: {e}"));
-        let ioerr = |e: std::io::Error| ModelError::Script(format!("cannot write the archive: {e}"));
-        let mut put = |name: String, bytes: &[u8]| -> Result<(), ModelError> {
+        let zerr = |e: zip::result::ZipError| ScriptError(format!("cannot write the archive: {e}"));
+        let ioerr = |e: std::io::Error| ScriptError(format!("cannot write the archive: {e}"));
+        let mut put = |name: String, bytes: &[u8]| -> Result<(), ScriptError> {
             let options = zip::write::FileOptions::default()
                 .compression_method(zip::CompressionMethod::Stored)
                 .large_file(bytes.len() as u64 >= u64::from(u32::MAX) / 2);
