@@ -207,7 +207,11 @@ impl CudaEbc {
                         Weights::F32(backend.zeros::<f32>(slots * spec.dim)?)
                     };
                     let state = backend.zeros::<f32>(slots * spec.state_per_row)?;
-                    let dim = spec.dim;
+                    // The table's own initial weights: a `key_value` store then keeps only the
+                    // rows that no longer read as them (the CPU table's untouched rows do).
+                    let init = ebc.initial_rows(&spec.name).ok_or_else(|| {
+                        CudaError::Unsupported(format!("table {} is not in the collection", spec.name))
+                    })?;
                     let cache = RowCache::with_precision(
                         spec.precision,
                         &spec.name,
@@ -215,7 +219,7 @@ impl CudaEbc {
                         spec.rows,
                         spec.dim,
                         spec.state_per_row,
-                        move |r| vec![0.0; (r.end - r.start) as usize * dim],
+                        init,
                     )?;
                     let mut t = DeviceTable { spec: spec.clone(), weights, state, iter, cache: Some(cache) };
                     // Nothing is resident yet: this fills the backing file.
@@ -273,7 +277,18 @@ impl CudaEbc {
         self.backend.download(&b.0)
     }
 
-    /// A cached table's counters (`None` for tables in GPU memory whole).
+    /// A cached table's cache: its slots in GPU memory and the store behind them (`None` for
+    /// a table whole in GPU memory).
+    pub fn cache_placement(&self, name: &str) -> Option<trainrec_embedding::CachePlacement> {
+        let i = self.index(name).ok()?;
+        lock(&self.tables[i]).cache.as_ref().map(|c| trainrec_embedding::CachePlacement {
+            slots: c.slots(),
+            backing: c.backing(),
+            stored: c.stored_rows(),
+        })
+    }
+
+    /// Cache counters of table `name`; `None` unless it is cached.
     pub fn cache_stats(&self, name: &str) -> Option<trainrec_embedding::CacheStats> {
         let i = self.index(name).ok()?;
         lock(&self.tables[i]).cache.as_ref().map(|c| c.stats)

@@ -154,6 +154,14 @@ impl EmbeddingEngine for CudaEbc {
         CudaEbc::set_lr_multiplier(self, multiplier);
     }
 
+    fn cache_placements(&self) -> Vec<(String, trainrec_embedding::CachePlacement)> {
+        self.layout()
+            .tables
+            .iter()
+            .filter_map(|t| Some((t.name.clone(), CudaEbc::cache_placement(self, &t.name)?)))
+            .collect()
+    }
+
     fn cache_stats(&self) -> Vec<(String, CacheStats)> {
         self.layout()
             .tables

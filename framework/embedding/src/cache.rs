@@ -278,7 +278,12 @@ impl RowCache {
         }
     }
 
-    /// Slots.
+    /// What holds the rows the cache does not.
+    pub fn backing(&self) -> crate::CacheBacking {
+        self.backing.kind
+    }
+
+    /// Cache slots.
     pub fn slots(&self) -> u32 {
         self.slots
     }

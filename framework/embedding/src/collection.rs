@@ -62,6 +62,8 @@ pub(crate) struct Core {
     tmp: Vec<Vec<Vec<Occ>>>,
     /// Per table: its cache, when only a cache of its rows is in memory.
     pub caches: Vec<Option<RowCache>>,
+    /// The seed the initial weights come from ([`initial_weights`]).
+    pub seed: u64,
     /// Prefetched batches not yet trained, oldest first.
     pending: VecDeque<Pending>,
 }
@@ -207,6 +209,7 @@ impl Core {
             occ,
             tmp,
             caches,
+            seed,
             pending: VecDeque::new(),
         })
     }

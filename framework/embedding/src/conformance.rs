@@ -322,6 +322,9 @@ mod tests {
     }
 
     impl EmbeddingEngine for Skewed {
+        fn cache_placements(&self) -> Vec<(String, crate::CachePlacement)> {
+            EmbeddingEngine::cache_placements(&self.0)
+        }
         fn stage(
             &mut self,
             kjt: &KeyedJaggedTensor,

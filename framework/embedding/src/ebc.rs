@@ -182,6 +182,18 @@ impl EmbeddingBagCollection {
     }
 
     /// The collection's tables and outputs.
+    /// Table `name`'s initial weights as a function of a row range (fp32, all columns): the
+    /// values its rows start from, and a cached table's never-written rows read as.
+    pub fn initial_rows(
+        &self,
+        name: &str,
+    ) -> Option<impl Fn(std::ops::Range<u64>) -> Vec<f32> + Send + Sync + 'static + use<>> {
+        let core = self.core();
+        let t = core.table_index(name)?;
+        let (seed, rows, dim) = (core.seed, core.tables[t].config.rows, core.tables[t].config.dim);
+        Some(move |r: std::ops::Range<u64>| crate::collection::initial_weights(seed, t, rows, dim, r, 0..dim))
+    }
+
     pub(crate) fn core(&self) -> &Core {
         &self.core
     }

@@ -21,7 +21,19 @@ use std::ops::Range;
 
 use trainrec_sparse::KeyedJaggedTensor;
 
-use crate::{CacheStats, EmbeddingBagCollection, EmbeddingError, RowBlock};
+use crate::{CacheBacking, CacheStats, EmbeddingBagCollection, EmbeddingError, RowBlock};
+
+/// A cached table's layout: how many rows its cache holds, and what holds the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachePlacement {
+    /// Cache slots (rows held in the engine's memory).
+    pub slots: u32,
+    /// The store behind the cache.
+    pub backing: CacheBacking,
+    /// Rows with a record in that store (every row for `Rows`; for `KeyValue` the rows written
+    /// so far: a row that still reads as its initial weights has none).
+    pub stored: u64,
+}
 
 /// Where an engine's lookups write their output and read their gradient.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -285,6 +297,11 @@ pub trait EmbeddingEngine: EmbeddingLookup {
     /// Cache counters of every cached table this engine (this rank) holds, by table or shard
     /// name, cumulative.
     fn cache_stats(&self) -> Vec<(String, CacheStats)>;
+    /// Where the cached tables this engine (this rank) holds keep their rows, by table or
+    /// shard name: the cache's slots in front of a backing store. A table not listed has every
+    /// row in the engine's memory (device memory for a GPU engine). What the plan's kernel
+    /// asked for is checked against this.
+    fn cache_placements(&self) -> Vec<(String, CachePlacement)>;
     /// This rank's blocks of every table with their state (each whole table one block).
     fn local_shards(&self) -> Vec<LocalShard>;
     /// Restores blocks in the layout [`Self::local_shards`] gives (e.g. from a checkpoint).
@@ -449,6 +466,20 @@ impl EmbeddingEngine for EmbeddingBagCollection {
     fn cache_stats(&self) -> Vec<(String, CacheStats)> {
         self.table_configs()
             .filter_map(|t| Some((t.name.clone(), EmbeddingBagCollection::cache_stats(self, &t.name)?)))
+            .collect()
+    }
+    fn cache_placements(&self) -> Vec<(String, CachePlacement)> {
+        let core = self.core();
+        core.tables
+            .iter()
+            .zip(&core.caches)
+            .filter_map(|(t, c)| {
+                let c = c.as_ref()?;
+                Some((
+                    t.config.name.clone(),
+                    CachePlacement { slots: c.slots(), backing: c.backing(), stored: c.stored_rows() },
+                ))
+            })
             .collect()
     }
     fn local_shards(&self) -> Vec<LocalShard> {

@@ -36,8 +36,8 @@ pub use config::{CacheBacking, CacheConfig, CachePolicy};
 pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};
 pub use engine::{
-    BatchContext, DeviceSlice, EmbeddingEngine, EmbeddingLookup, LocalShard, Memory, Pooled, PooledGrad, StepTimes,
-    TableEngine,
+    BatchContext, CachePlacement, DeviceSlice, EmbeddingEngine, EmbeddingLookup, LocalShard, Memory, Pooled,
+    PooledGrad, StepTimes, TableEngine,
 };
 pub use optim::{OptimizerKind, StepConstants, scaled_lr};
 pub use position::PositionWeightedModule;

@@ -251,13 +251,30 @@ pub fn recipe_plan_input(recipe: &Recipe, features: &FeatureSchema, registry: &R
 
 /// The recipe's plan: `planner.plan_file` when set (checked against the inputs' hash), else
 /// planned; with `explain`, each table's runner-up is filled in.
+/// Plans from TorchRec's cost model or a pinned plan file may choose a kernel trainrec's
+/// engines do not build (`fused_uvm`): refused here, before anything is built.
 pub fn recipe_plan(input: &PlanInput, recipe: &Recipe, base_dir: &Path, explain_it: bool) -> Result<Plan, PlanError> {
-    if let Some(path) = &recipe.planner.plan_file {
-        return load_plan(&base_dir.join(path), input);
-    }
-    let mut plan = trainrec_planner::plan(input)?;
-    if explain_it {
-        explain(input, &mut plan)?;
+    let (plan, source) = match &recipe.planner.plan_file {
+        Some(path) => (load_plan(&base_dir.join(path), input)?, format!("planner.plan_file {path}")),
+        None => {
+            let mut plan = trainrec_planner::plan(input)?;
+            if explain_it {
+                explain(input, &mut plan)?;
+            }
+            (
+                plan,
+                format!("chosen by planner.cost_model = \"{}\"", trainrec_types::Word::name(input.config.cost_model)),
+            )
+        }
+    };
+    if let Some(tp) = plan.tables.iter().find(|t| !t.compute_kernel.is_built()) {
+        let index = recipe.tables.iter().position(|t| t.name == tp.name).unwrap_or(0);
+        return Err(PlanError::Unbuilt {
+            table: tp.name.clone(),
+            index,
+            kernel: tp.compute_kernel.name().into(),
+            why: format!("{source}; FBGEMM's UVM rows read in place from host memory"),
+        });
     }
     Ok(plan)
 }

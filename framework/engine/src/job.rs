@@ -423,6 +423,17 @@ impl Job {
         out
     }
 
+    /// Where this rank's cached tables (or shards) keep their rows; a table not listed has
+    /// every row in the engine's memory.
+    pub fn cache_placements(&self) -> Vec<(String, trainrec_embedding::CachePlacement)> {
+        self.sparse.engine().map(|e| e.cache_placements()).unwrap_or_default()
+    }
+
+    /// The sharding plan the job was built with.
+    pub fn plan(&self) -> &trainrec_planner::Plan {
+        &self.plan
+    }
+
     /// Each managed-collision table's statistics over the partitions this rank runs (every
     /// partition, the same on every rank, unless the table is remapped on its owning ranks;
     /// the metrics' `mc/*` values sum every rank's).

@@ -18,15 +18,18 @@ pub fn supported_sharding_types(device: ComputeDevice, cost_model: CostModel) ->
     }
 }
 
-/// Kernels a sharding type can use on a device, in enumeration order.
-pub fn supported_kernels(st: ShardingType, device: ComputeDevice) -> Vec<ComputeKernel> {
+/// Kernels a sharding type can use on a device, in enumeration order. The `trainrec` cost
+/// model offers what trainrec's engines build; the `torchrec` one TorchRec's search space,
+/// which on CUDA adds `fused_uvm` (see [`ComputeKernel::is_built`]).
+pub fn supported_kernels(st: ShardingType, device: ComputeDevice, cost_model: CostModel) -> Vec<ComputeKernel> {
     use ComputeKernel::*;
-    match (st, device) {
-        (ShardingType::DataParallel, _) => vec![Dense],
+    match (st, device, cost_model) {
+        (ShardingType::DataParallel, _, _) => vec![Dense],
         // Cached on CPU: the cache in DDR, the table in a file on disk (`key_value`: a store
         // of the rows written).
-        (_, ComputeDevice::Cpu) => vec![Fused, FusedUvmCaching, KeyValue],
-        (_, ComputeDevice::Cuda) => vec![Fused, FusedUvm, FusedUvmCaching, KeyValue],
+        (_, ComputeDevice::Cpu, _) => vec![Fused, FusedUvmCaching, KeyValue],
+        (_, ComputeDevice::Cuda, CostModel::Trainrec) => vec![Fused, FusedUvmCaching, KeyValue],
+        (_, ComputeDevice::Cuda, CostModel::Torchrec) => vec![Fused, FusedUvm, FusedUvmCaching, KeyValue],
     }
 }
 
@@ -115,7 +118,7 @@ pub(crate) fn table_options(
     let mut out = Vec::new();
     let mut tried_kernels = Vec::new();
     for st in types.iter().copied() {
-        let mut kernels: Vec<ComputeKernel> = supported_kernels(st, device)
+        let mut kernels: Vec<ComputeKernel> = supported_kernels(st, device, cost_model)
             .into_iter()
             .filter(|k| match &c.compute_kernels {
                 Some(allowed) => allowed.contains(k),
@@ -130,7 +133,7 @@ pub(crate) fn table_options(
         if kernels.contains(&ComputeKernel::Dense) && kernels.contains(&ComputeKernel::Fused) {
             kernels.retain(|k| *k != ComputeKernel::Dense);
         }
-        tried_kernels.extend(supported_kernels(st, device));
+        tried_kernels.extend(supported_kernels(st, device, cost_model));
         let layout = shard_layout(table, st, topo);
         for kernel in kernels {
             let clf = kernel.is_cached().then(|| clf.unwrap_or(UVM_CACHING_RATIO));
@@ -153,11 +156,17 @@ pub(crate) fn table_options(
             index,
             key: "compute_kernels".into(),
             message: format!(
-                "allows {} but with sharding types {} a {} topology offers only {}",
+                "allows {} but with sharding types {} a {} topology offers only {}{}",
                 names(c.compute_kernels.as_deref().unwrap_or(&[])),
                 names(&types),
                 device.name(),
-                names(&tried_kernels)
+                names(&tried_kernels),
+                if c.compute_kernels.iter().flatten().any(|k| !k.is_built()) {
+                    " (fused_uvm, FBGEMM's rows read in place from host memory, is not built by trainrec's engines: \
+                     fused_uvm_caching keeps a cache in device memory in front of the rows in host memory)"
+                } else {
+                    ""
+                }
             ),
         });
     }

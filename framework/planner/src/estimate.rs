@@ -196,7 +196,11 @@ impl Estimator<'_> {
             local: t.local_world_size as f64,
             group: t.local_world_size as f64,
             table_dtype: table.element_size(),
-            comm_dtype: table.element_size(),
+            // trainrec's engines send fp32 pooled outputs whatever the table's precision.
+            comm_dtype: match self.cost_model {
+                CostModel::Trainrec => 4.0,
+                CostModel::Torchrec => table.element_size(),
+            },
             device_bw,
             weighted: table.constraints.is_weighted,
             pooled: table.pooled,
@@ -333,7 +337,12 @@ impl Estimator<'_> {
     ) -> Vec<Storage> {
         let t = self.topo;
         let world = t.world_size as f64;
-        let out_dtype = table.constraints.output_dtype.map(|d| d.bytes()).unwrap_or(table.element_size());
+        // trainrec's engines pool into fp32 whatever the table's precision; TorchRec's
+        // estimate sizes outputs by the table's element.
+        let out_dtype = match self.cost_model {
+            CostModel::Trainrec => 4.0,
+            CostModel::Torchrec => table.element_size(),
+        };
         let bi = inputs.batch_inputs();
         let pooled_outputs = inputs.batch_outputs(true);
         let io: Vec<(u64, u64)> = layout
@@ -386,16 +395,27 @@ impl Estimator<'_> {
             .iter()
             .zip(io)
             .map(|((size, _), (input, output))| {
-                let (mut hbm, mut ddr, ssd) =
-                    if kernel == ComputeKernel::KeyValue && t.compute_device == ComputeDevice::Cuda {
-                        // Rows (with optimizer state and cache metadata) on SSD; no L1 cache set.
-                        (0, 0, specific(bytes, size, true))
-                    } else if cached && t.compute_device == ComputeDevice::Cpu {
-                        // The cache (rows, their state, its index) in DDR; the table on disk.
-                        (0, specific(hbm_total, size, true), specific(bytes, size, false))
-                    } else {
-                        (specific(hbm_total, size, cached), specific(ddr_total, size, false), 0)
-                    };
+                let (mut hbm, mut ddr, ssd) = if kernel == ComputeKernel::KeyValue
+                    && t.compute_device == ComputeDevice::Cuda
+                    && self.cost_model == CostModel::Torchrec
+                {
+                    // TorchRec: rows (with optimizer state and cache metadata) on SSD; no
+                    // L1 cache set.
+                    (0, 0, specific(bytes, size, true))
+                } else if kernel == ComputeKernel::KeyValue && t.compute_device == ComputeDevice::Cuda {
+                    // trainrec's CUDA engine keeps the cache's slots (rows and their state)
+                    // in GPU memory, its index on the host, the rows written on disk.
+                    (
+                        specific((bytes as f64 * ratio).round_ties_even() as u64, size, false),
+                        0,
+                        specific(bytes, size, true),
+                    )
+                } else if cached && t.compute_device == ComputeDevice::Cpu {
+                    // The cache (rows, their state, its index) in DDR; the table on disk.
+                    (0, specific(hbm_total, size, true), specific(bytes, size, false))
+                } else {
+                    (specific(hbm_total, size, cached), specific(ddr_total, size, false), 0)
+                };
                 match t.compute_device {
                     ComputeDevice::Cuda => hbm += input + output,
                     ComputeDevice::Cpu => {

@@ -73,6 +73,21 @@ pub enum PlanError {
         /// With numbers.
         message: String,
     },
+    /// The plan puts a table on a kernel trainrec's engines do not build
+    /// ([`ComputeKernel::is_built`]).
+    #[error(
+        "tables[{index}] ({table}): the plan puts it on the `{kernel}` kernel, which trainrec's engines do not build ({why})"
+    )]
+    Unbuilt {
+        /// Table name.
+        table: String,
+        /// Table index in the recipe.
+        index: usize,
+        /// The kernel.
+        kernel: String,
+        /// Where the plan came from.
+        why: String,
+    },
     /// No proposal fits in memory.
     #[error("{message}")]
     NoFit {

@@ -30,28 +30,6 @@ impl trainrec_types::Word for CostModel {
     }
 }
 
-/// Dtype of a table's pooled output (TorchRec's `output_dtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum OutputDtype {
-    /// 32-bit float.
-    Fp32,
-    /// Half precision.
-    Fp16,
-    /// bfloat16.
-    Bf16,
-}
-
-impl OutputDtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> f64 {
-        match self {
-            Self::Fp32 => 4.0,
-            Self::Fp16 | Self::Bf16 => 2.0,
-        }
-    }
-}
-
 /// Cache parameters of a table planned with a cached kernel (TorchRec's `CacheParams`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -63,12 +41,6 @@ pub struct CacheParams {
     /// Eviction policy.
     #[serde(default)]
     pub algorithm: Option<CachePolicy>,
-    /// Device memory set aside for the cache, in MiB (FBGEMM's `cache_reserved_memory`).
-    #[serde(default)]
-    pub reserved_memory_mib: Option<f64>,
-    /// Precision of the cached rows. Default: the table's precision.
-    #[serde(default)]
-    pub precision: Option<WeightPrecision>,
     /// The prefetch pipeline loads batch i+1's rows while batch i computes, so lookups run at
     /// device-memory speed.
     #[serde(default)]
@@ -84,8 +56,10 @@ pub struct Constraints {
     #[serde(default)]
     pub sharding_types: Option<Vec<ShardingType>>,
     /// Allowed compute kernels. Default: all the device supports except `key_value` (and,
-    /// on CPU, `fused_uvm_caching`: a table goes to disk behind a cache only when asked). On
-    /// CPU: `fused`, `fused_uvm_caching`, `key_value`; on CUDA also `fused_uvm`.
+    /// on CPU, `fused_uvm_caching`: a table goes to disk behind a cache only when asked):
+    /// `fused`, `fused_uvm_caching`, `key_value` on CPU and CUDA. (`fused_uvm`, FBGEMM's table
+    /// read in place from host memory, is in TorchRec's search space only — the `torchrec`
+    /// cost model — and trainrec's engines do not build it.)
     #[serde(default)]
     pub compute_kernels: Option<Vec<ComputeKernel>>,
     /// Smallest column block for column-wise sharding (TorchRec's `min_partition`). Default:
@@ -107,12 +81,6 @@ pub struct Constraints {
     /// Cache parameters, for the cached kernels.
     #[serde(default)]
     pub cache: Option<CacheParams>,
-    /// Keep cached tables' rows in device memory where they fit.
-    #[serde(default)]
-    pub enforce_hbm: Option<bool>,
-    /// Dtype of the pooled output. Default: the table's precision.
-    #[serde(default)]
-    pub output_dtype: Option<OutputDtype>,
 }
 
 /// The optimizer state a table carries per weight (TorchRec's optimizer multiplier).

@@ -72,7 +72,8 @@ fn check_plan(input: &PlanInput, plan: &Plan, case: usize) {
             assert!(allowed.contains(&tp.compute_kernel), "{what}: kernel outside the constraint");
         }
         assert!(
-            supported_kernels(tp.sharding_type, input.topology.compute_device).contains(&tp.compute_kernel),
+            supported_kernels(tp.sharding_type, input.topology.compute_device, input.config.cost_model)
+                .contains(&tp.compute_kernel),
             "{what}"
         );
         for s in &tp.shards {

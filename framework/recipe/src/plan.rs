@@ -103,6 +103,12 @@ pub fn plan_diagnostic(e: &PlanError) -> Diagnostic {
             };
             Diagnostic::new(path, format!("`{key}` {message}"))
         }
+        PlanError::Unbuilt { index, .. } => {
+            Diagnostic::new(root.key("tables").index(*index).key("constraints").key("compute_kernels"), e.to_string())
+                .with_help(
+                    "allow only kernels trainrec builds here (compute_kernels = [\"fused\", \"fused_uvm_caching\"]; fused_uvm_caching keeps a cache in device memory in front of the rows in host memory), or plan with planner.cost_model = \"trainrec\"",
+                )
+        }
         PlanError::Reservation { message } | PlanError::NoFit { message } => {
             Diagnostic::new(root.key("topology"), message.clone())
         }

@@ -120,6 +120,10 @@ impl EmbeddingEngine for ShardedEbc {
         [&self.local, &self.dp].into_iter().flatten().flat_map(|e| e.cache_stats()).collect()
     }
 
+    fn cache_placements(&self) -> Vec<(String, trainrec_embedding::CachePlacement)> {
+        [&self.local, &self.dp].into_iter().flatten().flat_map(|e| e.cache_placements()).collect()
+    }
+
     fn local_shards(&self) -> Vec<LocalShard> {
         ShardedEbc::local_shards(self)
     }

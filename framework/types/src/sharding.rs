@@ -68,7 +68,8 @@ pub enum ComputeKernel {
     Dense,
     /// Table-batched lookup with the optimizer fused into the backward; rows in device memory.
     Fused,
-    /// Rows in host memory reached directly from the device (no cache).
+    /// Rows in host memory reached directly from the device (no cache). Planned only by the
+    /// `torchrec` cost model (TorchRec's search space); trainrec's engines do not build it.
     FusedUvm,
     /// A cache of `cache.load_factor` × rows in device memory in front of the rows in host
     /// memory (FBGEMM's UVM caching).
@@ -93,6 +94,14 @@ impl ComputeKernel {
             Self::FusedUvmCaching => "fused_uvm_caching",
             Self::KeyValue => "key_value",
         }
+    }
+
+    /// Whether trainrec's engines build this kernel. `fused_uvm` (FBGEMM's table in host
+    /// memory read in place by the GPU over unified memory) is not built: the planner's
+    /// `trainrec` cost model never chooses it, and a plan that does (TorchRec's cost model, a
+    /// pinned plan file) is refused before anything is built.
+    pub fn is_built(self) -> bool {
+        self != Self::FusedUvm
     }
 
     /// Kernels whose device memory holds a cache of the table rather than the table.
