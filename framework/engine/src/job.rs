@@ -673,6 +673,10 @@ impl Job {
         self.pipeline.discard(&mut self.sparse);
         let (step, samples) = (p.step, p.samples);
         if let Some(signal) = stopped {
+            // Tests hold the stop here (a slow save) to send a second signal meanwhile.
+            if let Some(ms) = crate::checkpoint::failpoint_value("stop-hold-ms") {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
             // Stopped: the step's checkpoint (the loss window and the data position in it) and
             // the metric files as they are, so the resumed run writes the uninterrupted one's.
             if !periodic_save(step) {

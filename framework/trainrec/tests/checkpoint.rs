@@ -570,3 +570,43 @@ fn a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly() {
         }
     }
 }
+
+/// A second signal while the first one's stop is under way (held by a failpoint as a slow save
+/// would hold it) exits at once: 143, no stop checkpoint, no "saved" message.
+#[test]
+fn a_second_signal_exits_at_once() {
+    let out = out_dir("second-signal");
+    let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
+    for s in settings(1, &out).into_iter().chain(["train.steps=1000000".to_string()]) {
+        args.extend(["--set".to_string(), s]);
+    }
+    let child = Command::new(env!("CARGO_BIN_EXE_trainrec"))
+        .args(&args)
+        .current_dir(workspace())
+        .env("OMP_NUM_THREADS", "1")
+        .env("TRAINREC_FAILPOINT", "stop-hold-ms:60000")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !out.join("checkpoints").join("step-00000020").exists() {
+        assert!(std::time::Instant::now() < deadline, "the run never checkpointed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    // The first signal's stop is now held for a minute before its save.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let done = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(143), "{err}");
+    assert!(!err.contains("the checkpoint is saved"), "{err}");
+    // Only the periodic checkpoints (every 20 steps): the stop's own was never written.
+    for name in checkpoints(&out) {
+        let step: u64 = name.strip_prefix("step-").and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{name}"));
+        assert_eq!(step % 20, 0, "{name}");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}

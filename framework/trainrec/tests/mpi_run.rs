@@ -131,3 +131,106 @@ fn an_aborted_mpi_run_resumes_bit_for_bit() {
     assert_eq!(metrics(&killed), metrics(&through));
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// The ranks' processes of a run writing into `out` (their command line starts with the
+/// trainrec binary and names `out`; `mpirun`'s starts with `mpirun`).
+fn rank_pids(out: &Path) -> Vec<u32> {
+    let bin = env!("CARGO_BIN_EXE_trainrec");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if args.first().is_some_and(|a| a == bin) && args.iter().any(|a| a.contains(&out.display().to_string())) {
+            pids.push(pid);
+        }
+    }
+    pids.sort_unstable();
+    pids
+}
+
+/// SIGTERM to one rank process under `mpirun`: every rank finishes the same step, the
+/// checkpoint of that step is saved, the ranks exit 143, and the run resumed under `mpirun`
+/// writes the metrics of an uninterrupted MPI run.
+#[test]
+fn sigterm_on_one_mpi_rank_stops_every_rank_after_the_same_step() {
+    let tmp = std::env::temp_dir().join(format!("trainrec-mpi-stop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let mpirun = |args: &[String]| {
+        let mut c = Command::new("mpirun");
+        c.args(["--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_trainrec"), "run"])
+            .args(args)
+            .current_dir(workspace())
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env_remove("TRAINREC_FAILPOINT");
+        c
+    };
+    let fresh = |out: &Path, steps: u64| -> Vec<String> {
+        let mut a = vec!["recipes/dist/quickstart_2ranks.toml".to_string()];
+        for s in [
+            format!("train.steps={steps}"),
+            "train.eval_every=20".into(),
+            "train.log_every=10".into(),
+            "train.checkpoint_every=20".into(),
+            "train.progress=false".into(),
+            "run.threads=1".into(),
+            format!("run.output_dir={}", out.display()),
+        ] {
+            a.extend(["--set".to_string(), s]);
+        }
+        a.push("--no-env".into());
+        a
+    };
+    let metrics = |dir: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.contains("throughput"));
+                v
+            })
+            .collect()
+    };
+    let checkpoints = |dir: &Path| -> Vec<u64> {
+        let mut v: Vec<u64> = std::fs::read_dir(dir.join("checkpoints"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("step-").and_then(|s| s.parse().ok()))
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    let stopped_dir = tmp.join("stopped");
+    let child = mpirun(&fresh(&stopped_dir, 1_000_000))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    while !stopped_dir.join("checkpoints").join("step-00000020").exists() {
+        assert!(std::time::Instant::now() < deadline, "the MPI run never checkpointed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ranks = rank_pids(&stopped_dir);
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    // One rank alone gets the signal (a node's preemption): the other stops with it.
+    assert!(Command::new("kill").args(["-TERM", &ranks[1].to_string()]).status().unwrap().success());
+    let done = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(!done.status.success(), "{err}");
+    let stopped = *checkpoints(&stopped_dir).last().unwrap();
+    assert!(stopped > 20, "{err}");
+    assert!(err.contains(&format!("stopped by SIGTERM after step {stopped}; the checkpoint is saved")), "{err}");
+    let steps = stopped + 30;
+    let mut resume = vec!["--resume".to_string(), stopped_dir.display().to_string(), "--no-env".into()];
+    resume.extend(["--set".to_string(), format!("train.steps={steps}")]);
+    let o = mpirun(&resume).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let through = tmp.join("through");
+    let o = mpirun(&fresh(&through, steps)).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(metrics(&stopped_dir), metrics(&through), "stopped after step {stopped}");
+    let _ = std::fs::remove_dir_all(&tmp);
+}

@@ -16,8 +16,8 @@
 mod format;
 mod job;
 
-pub(crate) use format::failpoint;
 pub use format::{
     Checkpoint, CheckpointError, Contents, EVAL_KEYS, FORMAT, FileRecord, Header, MANIFEST, Manifest, RESUMABLE_KEYS,
     ShardRecord, TensorData, TensorRecord, VERSION, changed_keys, changed_keys_outside, latest, save, step_dir_name,
 };
+pub(crate) use format::{failpoint, failpoint_value};
