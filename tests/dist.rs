@@ -354,6 +354,23 @@ fn weighted_batches_train_alike_on_any_number_of_ranks() {
 }
 
 #[test]
+fn dynamic_tables_across_ranks_train_like_one_rank() {
+    // Table ta (40 rows) keyed by raw ids from 0..200: admission after 2 sightings, rows
+    // freed after 3 unseen steps, LRU at capacity. Every rank counts the global batch, so the
+    // ranks' maps agree and the table shards any way.
+    let dynamic = "tables[0].dynamic={admit_after=2,ttl_steps=3,eviction=\"lru\",id_space=200}";
+    for sharding in ["row_wise", "column_wise", "data_parallel"] {
+        let plain = train(1, sharding, false);
+        let one = train_with(1, sharding, false, &[dynamic]);
+        assert_ne!(one.tables[0], plain.tables[0], "a dynamic ta learns something else");
+        for world in [2, 3] {
+            let many = train_with(world, sharding, false, &[dynamic]);
+            assert_trains_alike(&format!("{sharding} with a dynamic table on {world} ranks"), &many, &one);
+        }
+    }
+}
+
+#[test]
 fn managed_collisions_across_ranks_train_like_one_rank() {
     for sharding in ["row_wise", "column_wise", "data_parallel"] {
         let plain = train(1, sharding, false);

@@ -13,6 +13,7 @@ mod cache;
 mod collection;
 mod config;
 pub mod conformance;
+pub mod dynamic;
 mod ebc;
 mod ec;
 pub mod engine;

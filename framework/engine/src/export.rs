@@ -7,7 +7,9 @@
 //! - `dense.<variable>`: the dense model's variables, by their VarStore names;
 //! - `managed_collisions.<table>.ids`: for a managed-collision table, the raw id each row
 //!   holds (`-1`: none; `[rows]`, every partition's slots in place), to remap raw ids at
-//!   serving.
+//!   serving;
+//! - `dynamic_tables.<table>.ids`: for a dynamic table, the raw id each row holds (`-1`:
+//!   free); an id held by no row reads zeros.
 //!
 //! The file's metadata holds the resolved recipe (`recipe`) and the step (`step`).
 
@@ -56,6 +58,10 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
             };
             tensors.push((name.clone(), data));
             dense += 1;
+        } else if let Some(table) = name.strip_prefix("dynamic.").and_then(|n| n.strip_suffix(".ids")) {
+            // A dynamic table's map: the raw id each row holds (-1: free).
+            let ids = ck.i64(name)?.1;
+            tensors.push((format!("dynamic_tables.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
         } else if let Some(prefix) = name.strip_suffix(".ids").filter(|n| n.starts_with("mc.")) {
             // One partition's slots: slot `s` is row `first_row + s` of the table.
             let table = prefix["mc.".len()..].rsplit_once(".part").map_or(&prefix["mc.".len()..], |(t, _)| t);

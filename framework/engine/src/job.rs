@@ -72,7 +72,11 @@ pub fn build_sampler(
     let mut feature_rows = BTreeMap::new();
     for table in &recipe.tables {
         // A managed-collision table's features carry raw ids of its larger id space.
-        let space = table.mc.as_ref().map_or(table.rows, |mc| mc.input_hash_size);
+        let space = match (&table.mc, &table.dynamic) {
+            (Some(mc), _) => mc.input_hash_size,
+            (None, Some(d)) => d.id_space,
+            (None, None) => table.rows,
+        };
         for f in &table.features {
             feature_rows.insert(FeatureRef::parse(f).input.to_string(), space);
         }
@@ -441,6 +445,12 @@ impl Job {
         self.mc.stats()
     }
 
+    /// Each dynamic table's counters (the same on every rank: every rank counts the global
+    /// batch).
+    pub fn dynamic_stats(&self) -> BTreeMap<String, trainrec_embedding::dynamic::DynamicStats> {
+        self.mc.dynamic.stats()
+    }
+
     /// This rank's shards of every table with their fused optimizer's state.
     pub fn local_shards(&self) -> Vec<trainrec_sharding::LocalShard> {
         self.sparse.local_shards()
@@ -609,6 +619,7 @@ impl Job {
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
                     values.extend(self.mc.metric_values(self.sync.as_ref().map(|s| s.pg.as_ref()))?);
+                    values.extend(self.mc.dynamic.metric_values());
                     values.extend(self.cache_values_of_all_ranks()?);
                     values.extend(self.lr_values());
                     train_values.extend(values);

@@ -15,6 +15,7 @@ pub mod check;
 pub mod checkpoint;
 pub mod data_parallel;
 pub mod dmp;
+mod dynamic_tables;
 pub mod error;
 pub mod export;
 mod gpu;

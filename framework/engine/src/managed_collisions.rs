@@ -60,6 +60,8 @@ pub(crate) type Resets = Vec<(String, Vec<u64>, u64)>;
 pub(crate) struct McTables {
     tables: Vec<McTable>,
     seed: u64,
+    /// The dynamic tables (`tables[].dynamic`), remapped at the same points.
+    pub(crate) dynamic: crate::dynamic_tables::DynamicTables,
 }
 
 fn bad(table: &str, m: impl std::fmt::Display) -> EngineError {
@@ -264,7 +266,7 @@ impl McTables {
             }
             tables.push(table);
         }
-        Ok(Self { tables, seed: recipe.run.seed })
+        Ok(Self { tables, seed: recipe.run.seed, dynamic: crate::dynamic_tables::DynamicTables::new(recipe)? })
     }
 
     /// Chooses each table's way to run (see the module docs) for the job's sparse part and
@@ -297,7 +299,7 @@ impl McTables {
 
     /// Whether the job has none.
     pub(crate) fn is_empty(&self) -> bool {
-        self.tables.is_empty()
+        self.tables.is_empty() && self.dynamic.is_empty()
     }
 
     /// Whether some table is remapped on its owning ranks (after the input dist).
@@ -341,8 +343,8 @@ impl McTables {
         pg: Option<&dyn ProcessGroup>,
     ) -> Result<Resets, EngineError> {
         let at = self.resolve(kjt)?;
-        let mut per_key = kjt.values_per_key_mut();
         let mut out = Vec::new();
+        let mut per_key = kjt.values_per_key_mut();
         for (ti, (t, keys)) in self.tables.iter_mut().zip(&at).enumerate() {
             if t.owner {
                 continue;
@@ -369,6 +371,8 @@ impl McTables {
                 }
             }
         }
+        drop(per_key);
+        out.extend(self.dynamic.train(kjt, pg)?);
         Ok(out)
     }
 
@@ -440,7 +444,8 @@ impl McTables {
                 t.remap(per_key[i]);
             }
         }
-        Ok(())
+        drop(per_key);
+        self.dynamic.eval(kjt)
     }
 
     /// The owner-rank remap of an evaluation batch after its input dist (no counting).

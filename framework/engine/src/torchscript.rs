@@ -154,6 +154,40 @@ pub fn script_module(job: &Job, quantize: Option<QuantPrecision>, step: u64) -> 
         remap_of.insert(s.table.clone(), method);
     }
 
+    // Dynamic tables: a lookup method per table giving each raw id its row and a weight (1 with
+    // a row, 0 without).
+    let mut dynamic_of = std::collections::BTreeMap::new();
+    for table in &job.recipe.tables {
+        let Some((ids, rows)) = job.mc.dynamic.serving(&table.name) else { continue };
+        let method = format!("dynamic_{}", dynamic_of.len());
+        let source = if ids.is_empty() {
+            format!(
+                "def {method}(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
+    return torch.zeros_like(ids), torch.zeros(ids.size(0))
+"
+            )
+        } else {
+            let t = |m: &mut ScriptModule, what: &str, v: &[i64]| {
+                m.attr(
+                    &format!("dynamic_{}_{what}", table.name),
+                    Attr::Tensor(TensorBytes::i64(vec![v.len() as i64], v)),
+                )
+            };
+            let (sorted, at) = (t(&mut m, "ids", &ids), t(&mut m, "rows", &rows));
+            format!(
+                "def {method}(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
+    pos = torch.clamp(torch.searchsorted({sorted}, ids), 0, {last})
+    hit = torch.eq(torch.index_select({sorted}, 0, pos), ids)
+    rows = torch.where(hit, torch.index_select({at}, 0, pos), torch.zeros_like(ids))
+    return rows, hit.float()
+",
+                last = ids.len() - 1
+            )
+        };
+        m.method(source);
+        dynamic_of.insert(table.name.clone(), method);
+    }
+
     // The pooled lookups, in the dense model's column order.
     let mut body = vec!["    offsets = [torch.sub(torch.cumsum(l, 0), l) for l in lengths]".to_string()];
     let mut pooled = Vec::new();
@@ -171,32 +205,41 @@ pub fn script_module(job: &Job, quantize: Option<QuantPrecision>, step: u64) -> 
             let k = features.iter().position(|x| x == input).ok_or_else(|| {
                 EngineError::Internal(format!("feature {input} of table {} is not a sampler feature", table.name))
             })?;
-            let ids = match remap_of.get(&table.name) {
-                Some(method) => format!("self.{method}(ids[{k}])"),
-                None => format!("ids[{k}]"),
+            let n = pooled.len();
+            // A dynamic table: ids without a row read row 0 with weight 0 (they add nothing, as
+            // in training, where they leave their bag).
+            let weights = match dynamic_of.get(&table.name) {
+                Some(method) => {
+                    body.push(format!("    d{n}, w{n} = self.{method}(ids[{k}])"));
+                    Some(format!("w{n}"))
+                }
+                None => None,
             };
-            let v = format!("e{}", pooled.len());
+            let ids = match (remap_of.get(&table.name), &weights) {
+                (_, Some(_)) => format!("d{n}"),
+                (Some(method), None) => format!("self.{method}(ids[{k}])"),
+                (None, None) => format!("ids[{k}]"),
+            };
+            let psw = weights.clone().unwrap_or_else(|| "None".into());
+            let v = format!("e{n}");
             let sum = match quantize {
                 None => format!(
-                    "torch.embedding_bag({w}, {ids}, offsets[{k}], False, {}, False, None, False)[0]",
+                    "torch.embedding_bag({w}, {ids}, offsets[{k}], False, {}, False, {psw}, False)[0]",
                     u8::from(mean)
                 ),
                 Some(QuantPrecision::Int8) => format!(
-                    "ops.quantized.embedding_bag_byte_rowwise_offsets({w}, {ids}, offsets[{k}], False, 0, False, None, None, False)"
+                    "ops.quantized.embedding_bag_byte_rowwise_offsets({w}, {ids}, offsets[{k}], False, 0, False, {psw}, None, False)"
                 ),
                 Some(QuantPrecision::Fp16) => {
-                    body.push(format!("    r{} = torch.index_select({w}, 0, {ids}).float()", pooled.len()));
+                    body.push(format!("    r{n} = torch.index_select({w}, 0, {ids}).float()"));
                     format!(
-                        "torch.embedding_bag(r{n}, torch.arange(r{n}.size(0)), offsets[{k}], False, 0, False, None, False)[0]",
-                        n = pooled.len()
+                        "torch.embedding_bag(r{n}, torch.arange(r{n}.size(0)), offsets[{k}], False, 0, False, {psw}, False)[0]"
                     )
                 }
             };
             body.push(format!("    {v} = {sum}"));
             if mean && quantize.is_some() {
-                body.push(format!(
-                    "    {v} = {v} / torch.clamp(torch.unsqueeze(lengths[{k}], 1), 1).to(torch.float32)"
-                ));
+                body.push(format!("    {v} = {v} / torch.clamp(torch.unsqueeze(lengths[{k}], 1), 1).float()"));
             }
             pooled.push(v);
         }

@@ -346,6 +346,59 @@ pub struct TableSection {
     /// id space (`input_hash_size`) and the most useful ones each get a row of their own.
     #[serde(default)]
     pub mc: Option<ManagedCollisionSection>,
+    /// A dynamic table keyed by the raw 64-bit id: `rows` is its capacity; an id gets a row of
+    /// its own once admitted, keeps it while it is used, and reads zeros (no update) before.
+    #[serde(default)]
+    pub dynamic: Option<DynamicSection>,
+}
+
+/// `[tables.dynamic]`: a dynamic table (Monolith's collisionless tables, DeepRec's
+/// EmbeddingVariable): keyed by the raw 64-bit id, `rows` ids hold a row at once, each its own
+/// (no collisions). Ids are counted before admission in a bounded sketch; rows are freed when
+/// unseen for `ttl_steps` and taken from the least used id when a new one needs room. A row
+/// that changes hands restarts from fresh initial weights and optimizer state. The table pools
+/// by sum; an id without a row adds nothing to its bag and gets no update.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DynamicSection {
+    /// Sightings of an id before it gets a row. Default: 1 (at once).
+    #[serde(default = "defaults::admit_after")]
+    pub admit_after: u32,
+    /// Chance that a sighting past `admit_after` admits the id (a reproducible coin of the id,
+    /// the seed and the step), in `(0, 1]`. Default: 1.
+    #[serde(default = "defaults::admit_probability")]
+    pub admit_probability: f64,
+    /// Training steps a row may go unseen before it is freed. Default: unset (rows stay until
+    /// a new id needs their room).
+    #[serde(default)]
+    pub ttl_steps: Option<u64>,
+    /// Which row makes room when a new id is admitted into a full table: `lfu` (least
+    /// frequently used) or `lru` (least recently used). Rows used in the current step are
+    /// never taken.
+    #[serde(default)]
+    pub eviction: DynamicEvictionPolicy,
+    /// Counters per row of the admission sketch (count-min; memory `4 × width × depth` bytes,
+    /// whatever the id space). Default: 2^20.
+    #[serde(default = "defaults::sketch_width")]
+    pub sketch_width: usize,
+    /// Rows of the admission sketch. Default: 4.
+    #[serde(default = "defaults::sketch_depth")]
+    pub sketch_depth: usize,
+    /// Size of the raw id space samplers hash the table's features into (`0..id_space`).
+    /// Default: 2^62.
+    #[serde(default = "defaults::id_space")]
+    pub id_space: u64,
+}
+
+/// Which row of a full dynamic table makes room for a new id.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DynamicEvictionPolicy {
+    /// The least frequently used row.
+    #[default]
+    Lfu,
+    /// The least recently used row.
+    Lru,
 }
 
 /// `[tables.mc]`: managed collisions for one table (TorchRec's `MCHManagedCollisionModule`).
@@ -614,6 +667,26 @@ pub mod defaults {
     /// Default `tables[].pooling`.
     pub fn pooling() -> PoolingMode {
         PoolingMode::Sum
+    }
+    /// Default `tables[].dynamic.admit_after`.
+    pub fn admit_after() -> u32 {
+        1
+    }
+    /// Default `tables[].dynamic.admit_probability`.
+    pub fn admit_probability() -> f64 {
+        1.0
+    }
+    /// Default `tables[].dynamic.sketch_width`.
+    pub fn sketch_width() -> usize {
+        1 << 20
+    }
+    /// Default `tables[].dynamic.sketch_depth`.
+    pub fn sketch_depth() -> usize {
+        4
+    }
+    /// Default `tables[].dynamic.id_space`: 2^62.
+    pub fn id_space() -> u64 {
+        1 << 62
     }
     /// Default `tables[].mc.input_hash_size`: 2^63.
     pub fn input_hash_size() -> u64 {

@@ -173,6 +173,71 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             }
         }
     }
+    // Dynamic tables: settings in range, sum pooling, not managed collisions too, and the
+    // table's features its own (they carry raw ids).
+    for (t, table) in recipe.tables.iter().enumerate() {
+        let Some(d) = &table.dynamic else { continue };
+        let dp = tables.index(t).key("dynamic");
+        if table.mc.is_some() {
+            out.push(
+                Diagnostic::new(dp.clone(), "a table is either dynamic or managed-collision, not both")
+                    .with_help("drop tables[].mc: a dynamic table gives every admitted id its own row"),
+            );
+        }
+        if table.pooling != trainrec_types::PoolingMode::Sum {
+            out.push(
+                Diagnostic::new(tables.index(t).key("pooling"), "a dynamic table pools by sum")
+                    .with_help("an id without a row adds nothing to its bag; a mean would count it"),
+            );
+        }
+        if table.rows > u64::from(u32::MAX) {
+            out.push(Diagnostic::new(
+                tables.index(t).key("rows"),
+                format!("a dynamic table holds at most {} rows (its capacity)", u32::MAX),
+            ));
+        }
+        if d.admit_after == 0 {
+            out.push(Diagnostic::new(dp.key("admit_after"), "admit_after must be at least 1"));
+        }
+        if !(d.admit_probability > 0.0 && d.admit_probability <= 1.0) {
+            out.push(Diagnostic::new(
+                dp.key("admit_probability"),
+                format!("admit_probability = {} must be in (0, 1]", d.admit_probability),
+            ));
+        }
+        if d.ttl_steps == Some(0) {
+            out.push(
+                Diagnostic::new(dp.key("ttl_steps"), "ttl_steps must be at least 1")
+                    .with_help("leave it out to keep rows until a new id needs their room"),
+            );
+        }
+        if d.sketch_width == 0 || d.sketch_depth == 0 || d.sketch_width.saturating_mul(d.sketch_depth) > 1 << 30 {
+            let key = if d.sketch_width == 0 { "sketch_width" } else { "sketch_depth" };
+            out.push(Diagnostic::new(
+                dp.key(key),
+                format!(
+                    "the admission sketch needs 1..=2^30 counters in all (width {} x depth {})",
+                    d.sketch_width, d.sketch_depth
+                ),
+            ));
+        }
+        if d.id_space == 0 || d.id_space > 1 << 63 {
+            out.push(Diagnostic::new(dp.key("id_space"), "id_space must be in 1..=2^63"));
+        }
+        for (f, feature) in table.features.iter().enumerate() {
+            let input = FeatureRef::parse(feature).input;
+            let users = used_by.get(input).map_or(0, Vec::len);
+            if users > 1 {
+                out.push(
+                    Diagnostic::new(
+                        tables.index(t).key("features").index(f),
+                        format!("feature \"{input}\" feeds a dynamic table and {} other table(s)", users - 1),
+                    )
+                    .with_help("a dynamic table reads raw ids; give it features no other table reads"),
+                );
+            }
+        }
+    }
     // Managed collisions: settings in range, and the table's features its own (their raw ids
     // come from the larger id space, which no other table could read).
     for (t, table) in recipe.tables.iter().enumerate() {

@@ -274,6 +274,30 @@ fn python_check(run_dir: &Path, model: &Path, extra: &[&str]) {
 }
 
 #[test]
+fn quantized_files_give_the_quantized_evaluations_logits_with_mean_pooling() {
+    // Mean-pooled bags of 1..5 ids: the int8 and fp16 files against `predict --quantize`.
+    let (run_dir, _, _) = trained(
+        "quantized",
+        "recipes/quickstart.toml",
+        &[
+            "data.sampler.eval_samples=1000",
+            "train.steps=40",
+            "data.sampler.pooling_factor=3",
+            "tables[0].pooling=\"mean\"",
+            "tables[3].pooling=\"mean\"",
+        ],
+    );
+    let rd = run_dir.to_str().unwrap();
+    for q in ["int8", "fp16"] {
+        let model = run_dir.with_file_name(format!("model_{q}.pt"));
+        let preds = run_dir.with_file_name(format!("p_{q}.csv"));
+        run(&["export", rd, "--out", model.to_str().unwrap(), "--quantize", q]);
+        run(&["predict", rd, "--out", preds.to_str().unwrap(), "--with-inputs", "--quantize", q]);
+        check_fp32(&model, &preds);
+    }
+}
+
+#[test]
 fn dlrm_dcn_file_gives_predict_logits() {
     let (_, model, preds) = trained("dcn", "recipes/models/dlrm_dcn.toml", &SMALL);
     check_fp32(&model, &preds);
@@ -301,6 +325,18 @@ fn managed_collision_file_remaps_raw_ids_as_the_evaluation() {
         "mc",
         "recipes/dist/mc_row_wise_2ranks.toml",
         &["topology.world_size=1", "tables[0].mc.partitions=2", "data.sampler.eval_samples=3000", "train.steps=60"],
+    );
+    check_fp32(&model, &preds);
+}
+
+#[test]
+fn dynamic_table_file_reads_zeros_for_ids_without_a_row() {
+    // Zipf raw ids from 10^12 into 20,000-row tables: the eval split holds ids with a row and
+    // ids without one (which add nothing to their bags, as in training).
+    let (_, model, preds) = trained(
+        "dynamic",
+        "recipes/dynamic/quickstart_dynamic.toml",
+        &["data.sampler.eval_samples=1500", "train.steps=60", "train.eval_every=60"],
     );
     check_fp32(&model, &preds);
 }

@@ -163,6 +163,20 @@ impl Job {
                 contents.tensors.push((format!("{p}.meta"), TensorData::u64s(&meta)));
             }
         }
+        // Dynamic tables: the same map on every rank, saved by the lead.
+        if lead {
+            for (table, s) in self.mc.dynamic.states() {
+                let p = format!("dynamic.{table}");
+                contents.tensors.push((format!("{p}.ids"), TensorData::i64(vec![s.ids.len()], &s.ids)));
+                contents.tensors.push((format!("{p}.counts"), TensorData::u64s(&s.counts)));
+                contents.tensors.push((format!("{p}.last"), TensorData::u64s(&s.last)));
+                let sketch: Vec<u64> = s.sketch.iter().map(|&c| u64::from(c)).collect();
+                contents.tensors.push((format!("{p}.sketch"), TensorData::u64s(&sketch)));
+                let st = &s.stats;
+                let meta = [s.step, st.admitted, st.rejected, st.expired, st.evicted, st.lookups];
+                contents.tensors.push((format!("{p}.meta"), TensorData::u64s(&meta)));
+            }
+        }
         let header = if lead {
             let vars: BTreeMap<String, Tensor> = self.vs.variables().into_iter().collect();
             for (name, t) in &vars {
@@ -292,6 +306,40 @@ impl Job {
             }
         }
         self.mc.attach(&mut self.sparse, &self.recipe, &self.plan)?;
+
+        // Dynamic tables.
+        let names: Vec<String> = self.mc.dynamic.tables.iter().map(|t| t.name.clone()).collect();
+        for name in names {
+            let p = format!("dynamic.{name}");
+            if !ck.manifest.tensors.contains_key(&format!("{p}.ids")) {
+                return Err(incompatible(ck, format!("it holds no state of dynamic table {name}")));
+            }
+            let u64s = |what: &str| ck.u64s(&format!("{p}.{what}"));
+            let meta = u64s("meta")?;
+            let [step, admitted, rejected, expired, evicted, lookups] = meta[..] else {
+                return Err(incompatible(
+                    ck,
+                    format!("dynamic table {name}: its meta has {} values, not 6", meta.len()),
+                ));
+            };
+            let sketch = u64s("sketch")?.into_iter().map(|c| u32::try_from(c).unwrap_or(u32::MAX)).collect();
+            let state = trainrec_embedding::dynamic::DynamicState {
+                step,
+                ids: ck.i64(&format!("{p}.ids"))?.1,
+                counts: u64s("counts")?,
+                last: u64s("last")?,
+                sketch,
+                stats: trainrec_embedding::dynamic::DynamicStats {
+                    live: 0,
+                    admitted,
+                    rejected,
+                    expired,
+                    evicted,
+                    lookups,
+                },
+            };
+            self.mc.dynamic.load(&name, state).map_err(|e| incompatible(ck, e.to_string()))?;
+        }
 
         // Training metrics.
         match (train_suites, &state.train_metrics) {
