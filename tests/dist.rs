@@ -359,12 +359,17 @@ fn dynamic_tables_across_ranks_train_like_one_rank() {
     // freed after 3 unseen steps, LRU at capacity. Every rank counts the global batch, so the
     // ranks' maps agree and the table shards any way.
     let dynamic = "tables[0].dynamic={admit_after=2,ttl_steps=3,eviction=\"lru\",id_space=200}";
+    // Run directories of their own: other tests train the same recipes at the same time.
+    let out = |what: &str| {
+        let d = std::env::temp_dir().join(format!("trainrec-dist-{}-dynamic-{what}", std::process::id()));
+        format!("run.output_dir=\"{}\"", d.display())
+    };
     for sharding in ["row_wise", "column_wise", "data_parallel"] {
-        let plain = train(1, sharding, false);
-        let one = train_with(1, sharding, false, &[dynamic]);
+        let plain = train_with(1, sharding, false, &[&out(&format!("plain-{sharding}"))]);
+        let one = train_with(1, sharding, false, &[dynamic, &out(&format!("1-{sharding}"))]);
         assert_ne!(one.tables[0], plain.tables[0], "a dynamic ta learns something else");
         for world in [2, 3] {
-            let many = train_with(world, sharding, false, &[dynamic]);
+            let many = train_with(world, sharding, false, &[dynamic, &out(&format!("{world}-{sharding}"))]);
             assert_trains_alike(&format!("{sharding} with a dynamic table on {world} ranks"), &many, &one);
         }
     }

@@ -4,7 +4,9 @@
 //! and never shares it with another id while it holds it.
 //!
 //! - **Admission.** An id without a row is counted in a count-min sketch (`depth` rows of
-//!   `width` counters: memory bounded whatever the id space); once its count reaches
+//!   `width` counters: memory bounded whatever the id space; every `width` sightings counted,
+//!   all counters are halved, TinyLFU's reset, so the counts follow recent traffic and the
+//!   sketch's over-count stays below one sighting per counter); once its count reaches
 //!   `admit_after` it is admitted, each sighting from then on with probability
 //!   `admit_probability` (a deterministic coin of the id, the seed and the step, so every rank
 //!   draws the same). Until admitted an id reads [`NOT_ADMITTED`]: the caller drops it from its
@@ -91,6 +93,8 @@ pub struct DynamicTable {
     /// Free rows, lowest first.
     free: BTreeSet<u32>,
     sketch: Vec<u32>,
+    /// Sightings counted since the sketch was last halved.
+    sketch_added: u64,
     stats: DynamicStats,
 }
 
@@ -107,6 +111,8 @@ pub struct DynamicState {
     pub last: Vec<u64>,
     /// The admission sketch's counters.
     pub sketch: Vec<u32>,
+    /// Sightings counted since the sketch was last halved.
+    pub sketch_added: u64,
     /// Counters.
     pub stats: DynamicStats,
 }
@@ -149,6 +155,7 @@ impl DynamicTable {
             by_count: BTreeSet::new(),
             free: (0..config.capacity).collect(),
             sketch,
+            sketch_added: 0,
             stats: DynamicStats::default(),
             config,
         })
@@ -203,6 +210,13 @@ impl DynamicTable {
     /// Counts a sighting of `id` in the sketch; returns its estimated count (conservative
     /// update: only the smallest counters grow).
     fn sketch_add(&mut self, id: i64) -> u32 {
+        self.sketch_added += 1;
+        if self.sketch_added > self.config.sketch_width as u64 {
+            for c in &mut self.sketch {
+                *c >>= 1;
+            }
+            self.sketch_added = 1;
+        }
         let slots: Vec<usize> = self.sketch_slots(id).collect();
         let est = slots.iter().map(|&s| self.sketch[s]).min().unwrap_or(0).saturating_add(1);
         for s in slots {
@@ -321,6 +335,7 @@ impl DynamicTable {
             counts: self.counts.clone(),
             last: self.last.clone(),
             sketch: self.sketch.clone(),
+            sketch_added: self.sketch_added,
             stats: self.stats,
         }
     }
@@ -340,6 +355,7 @@ impl DynamicTable {
         let mut fresh = Self::new(self.config.clone())?;
         fresh.step = s.step;
         fresh.sketch = s.sketch;
+        fresh.sketch_added = s.sketch_added;
         fresh.stats = s.stats;
         fresh.free.clear();
         for r in 0..n {
@@ -494,6 +510,22 @@ mod tests {
         }
         assert_eq!(t2.sketch.len(), 64 * 4);
         assert_eq!(t2.stats().live, 0);
+    }
+
+    #[test]
+    fn the_sketch_halves_every_width_sightings_so_old_counts_fade() {
+        // Width 16: an id seen once, then 16 other sightings, has its count halved to 0; seen
+        // twice within the period it is admitted at the second sighting.
+        let mut t = DynamicTable::new(DynamicConfig {
+            sketch_width: 16,
+            ..table(4, 2, None, DynamicEviction::Lfu).config().clone()
+        })
+        .unwrap();
+        assert_eq!(step(&mut t, &[1]).0, [X]);
+        let others: Vec<i64> = (100..116).collect();
+        step(&mut t, &others);
+        assert_eq!(step(&mut t, &[1]).0, [X], "the first sighting faded");
+        assert_eq!(step(&mut t, &[1]).0, [0], "two sightings within a period admit");
     }
 
     #[test]

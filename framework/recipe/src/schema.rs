@@ -378,7 +378,7 @@ pub struct DynamicSection {
     #[serde(default)]
     pub eviction: DynamicEvictionPolicy,
     /// Counters per row of the admission sketch (count-min; memory `4 × width × depth` bytes,
-    /// whatever the id space). Default: 2^20.
+    /// whatever the id space). Default: 2^18 (4 MiB with the default depth).
     #[serde(default = "defaults::sketch_width")]
     pub sketch_width: usize,
     /// Rows of the admission sketch. Default: 4.
@@ -678,7 +678,7 @@ pub mod defaults {
     }
     /// Default `tables[].dynamic.sketch_width`.
     pub fn sketch_width() -> usize {
-        1 << 20
+        1 << 18
     }
     /// Default `tables[].dynamic.sketch_depth`.
     pub fn sketch_depth() -> usize {

@@ -170,10 +170,15 @@ impl Job {
                 contents.tensors.push((format!("{p}.ids"), TensorData::i64(vec![s.ids.len()], &s.ids)));
                 contents.tensors.push((format!("{p}.counts"), TensorData::u64s(&s.counts)));
                 contents.tensors.push((format!("{p}.last"), TensorData::u64s(&s.last)));
-                let sketch: Vec<u64> = s.sketch.iter().map(|&c| u64::from(c)).collect();
+                // Two 32-bit counters to a value.
+                let sketch: Vec<u64> = s
+                    .sketch
+                    .chunks(2)
+                    .map(|c| u64::from(c[0]) | (u64::from(c.get(1).copied().unwrap_or(0)) << 32))
+                    .collect();
                 contents.tensors.push((format!("{p}.sketch"), TensorData::u64s(&sketch)));
                 let st = &s.stats;
-                let meta = [s.step, st.admitted, st.rejected, st.expired, st.evicted, st.lookups];
+                let meta = [s.step, st.admitted, st.rejected, st.expired, st.evicted, st.lookups, s.sketch_added];
                 contents.tensors.push((format!("{p}.meta"), TensorData::u64s(&meta)));
             }
         }
@@ -316,19 +321,28 @@ impl Job {
             }
             let u64s = |what: &str| ck.u64s(&format!("{p}.{what}"));
             let meta = u64s("meta")?;
-            let [step, admitted, rejected, expired, evicted, lookups] = meta[..] else {
+            let [step, admitted, rejected, expired, evicted, lookups, sketch_added] = meta[..] else {
                 return Err(incompatible(
                     ck,
-                    format!("dynamic table {name}: its meta has {} values, not 6", meta.len()),
+                    format!("dynamic table {name}: its meta has {} values, not 7", meta.len()),
                 ));
             };
-            let sketch = u64s("sketch")?.into_iter().map(|c| u32::try_from(c).unwrap_or(u32::MAX)).collect();
+            let mut sketch: Vec<u32> = u64s("sketch")?.into_iter().flat_map(|c| [c as u32, (c >> 32) as u32]).collect();
+            let counters = self
+                .mc
+                .dynamic
+                .tables
+                .iter()
+                .find(|t| t.name == name)
+                .map_or(0, |t| t.table.config().sketch_width * t.table.config().sketch_depth);
+            sketch.truncate(counters);
             let state = trainrec_embedding::dynamic::DynamicState {
                 step,
                 ids: ck.i64(&format!("{p}.ids"))?.1,
                 counts: u64s("counts")?,
                 last: u64s("last")?,
                 sketch,
+                sketch_added,
                 stats: trainrec_embedding::dynamic::DynamicStats {
                     live: 0,
                     admitted,
