@@ -21,7 +21,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::hash::BuildHasherDefault;
 
-use crate::mc::IdHasher;
+use crate::mc::{IdHasher, mix};
 
 /// What a raw id reads while it has no row: the caller drops it from its bag.
 pub const NOT_ADMITTED: i64 = -1;
@@ -115,14 +115,6 @@ pub struct DynamicState {
     pub sketch_added: u64,
     /// Counters.
     pub stats: DynamicStats,
-}
-
-#[inline]
-fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl DynamicTable {

@@ -61,9 +61,10 @@ impl McStats {
     }
 }
 
-/// splitmix64's finaliser: the hash of the id map and of the residual rows.
+/// splitmix64's finaliser: the hash of the id map and of the residual rows (and of the
+/// dynamic tables' sketch and admission coin).
 #[inline]
-fn mix(x: u64) -> u64 {
+pub(crate) fn mix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

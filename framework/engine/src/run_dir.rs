@@ -22,10 +22,20 @@ pub struct RunDirLock {
     _file: File,
 }
 
+/// The refusal naming who holds run directory `dir`'s lock, as the holder wrote it into the
+/// lock file.
+fn held(dir: &Path, file: &mut File) -> EngineError {
+    use std::io::Read;
+    let mut holder = String::new();
+    let _ = file.read_to_string(&mut holder);
+    let holder = holder.trim();
+    let holder = if holder.is_empty() { "another process".to_string() } else { holder.to_string() };
+    EngineError::Locked { dir: dir.to_path_buf(), holder }
+}
+
 /// Locks run directory `dir` (made when missing) for `command`, or says who holds it: the
 /// holder's process id, host, start time and command, which it wrote into the lock file.
 pub fn lock_run_dir(dir: &Path, command: &str) -> Result<RunDirLock, EngineError> {
-    use std::io::Read;
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| EngineError::Io { path, source }
@@ -52,13 +62,7 @@ pub fn lock_run_dir(dir: &Path, command: &str) -> Result<RunDirLock, EngineError
             file.flush().map_err(io(&path))?;
             Ok(RunDirLock { _file: file })
         }
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
-            let holder = holder.trim();
-            let holder = if holder.is_empty() { "another process".to_string() } else { holder.to_string() };
-            Err(EngineError::Locked { dir: dir.to_path_buf(), holder })
-        }
+        Err(std::fs::TryLockError::WouldBlock) => Err(held(dir, &mut file)),
         Err(std::fs::TryLockError::Error(e)) => Err(io(&path)(e)),
     }
 }
@@ -67,20 +71,13 @@ pub fn lock_run_dir(dir: &Path, command: &str) -> Result<RunDirLock, EngineError
 /// `flock`, so readers run side by side but not while a run or a `--resume` writes there (its
 /// holder is named, as [`lock_run_dir`] names it).
 pub fn lock_run_dir_shared(dir: &Path) -> Result<RunDirLock, EngineError> {
-    use std::io::Read;
     let path = dir.join(".lock");
     let io = |source| EngineError::Io { path: path.clone(), source };
     let mut file =
         std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
     match file.try_lock_shared() {
         Ok(()) => Ok(RunDirLock { _file: file }),
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
-            let holder = holder.trim();
-            let holder = if holder.is_empty() { "another process".to_string() } else { holder.to_string() };
-            Err(EngineError::Locked { dir: dir.to_path_buf(), holder })
-        }
+        Err(std::fs::TryLockError::WouldBlock) => Err(held(dir, &mut file)),
         Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
     }
 }

@@ -224,19 +224,7 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         if d.id_space == 0 || d.id_space > 1 << 63 {
             out.push(Diagnostic::new(dp.key("id_space"), "id_space must be in 1..=2^63"));
         }
-        for (f, feature) in table.features.iter().enumerate() {
-            let input = FeatureRef::parse(feature).input;
-            let users = used_by.get(input).map_or(0, Vec::len);
-            if users > 1 {
-                out.push(
-                    Diagnostic::new(
-                        tables.index(t).key("features").index(f),
-                        format!("feature \"{input}\" feeds a dynamic table and {} other table(s)", users - 1),
-                    )
-                    .with_help("a dynamic table reads raw ids; give it features no other table reads"),
-                );
-            }
-        }
+        out.extend(own_features(&tables.index(t), table, &used_by, "dynamic"));
     }
     // Managed collisions: settings in range, and the table's features its own (their raw ids
     // come from the larger id space, which no other table could read).
@@ -277,19 +265,7 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                 ));
             }
         }
-        for (f, feature) in table.features.iter().enumerate() {
-            let input = FeatureRef::parse(feature).input;
-            let users = used_by.get(input).map_or(0, Vec::len);
-            if users > 1 {
-                out.push(
-                    Diagnostic::new(
-                        tables.index(t).key("features").index(f),
-                        format!("feature \"{input}\" feeds a managed-collision table and {} other table(s)", users - 1),
-                    )
-                    .with_help("a managed-collision table reads raw ids; give it features no other table reads"),
-                );
-            }
-        }
+        out.extend(own_features(&tables.index(t), table, &used_by, "managed-collision"));
     }
     let mut shared: Vec<_> = used_by.into_iter().filter(|(_, uses)| uses.len() > 1).collect();
     shared.sort();
@@ -407,6 +383,31 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             Diagnostic::new(root.key("metrics"), "no metrics")
                 .with_help("add a [[metrics]] entry such as kind = \"auc\""),
         );
+    }
+    out
+}
+
+/// Features of table `table` (at recipe key `at`) that another table reads too, for a table of
+/// `kind` that reads raw ids (managed-collision, dynamic).
+fn own_features(
+    at: &KeyPath,
+    table: &crate::TableSection,
+    used_by: &HashMap<&str, Vec<(usize, usize)>>,
+    kind: &str,
+) -> Vec<Diagnostic> {
+    let mut out = Vec::new();
+    for (f, feature) in table.features.iter().enumerate() {
+        let input = FeatureRef::parse(feature).input;
+        let users = used_by.get(input).map_or(0, Vec::len);
+        if users > 1 {
+            out.push(
+                Diagnostic::new(
+                    at.key("features").index(f),
+                    format!("feature \"{input}\" feeds a {kind} table and {} other table(s)", users - 1),
+                )
+                .with_help(format!("a {kind} table reads raw ids; give it features no other table reads")),
+            );
+        }
     }
     out
 }

@@ -75,6 +75,38 @@ fn bench_dist_runs_under_mpirun() {
     assert_eq!((v["backend"].as_str(), v["world_size"].as_u64()), (Some("mpi"), Some(2)), "{v}");
 }
 
+/// The arguments after `trainrec run` of the 2-rank quickstart for `steps` steps into `out`,
+/// evaluating and checkpointing every 20 steps.
+fn fresh_args(out: &Path, steps: u64) -> Vec<String> {
+    let mut a = vec!["recipes/dist/quickstart_2ranks.toml".to_string()];
+    for s in [
+        format!("train.steps={steps}"),
+        "train.eval_every=20".into(),
+        "train.log_every=10".into(),
+        "train.checkpoint_every=20".into(),
+        "train.progress=false".into(),
+        "run.threads=1".into(),
+        format!("run.output_dir={}", out.display()),
+    ] {
+        a.extend(["--set".to_string(), s]);
+    }
+    a.push("--no-env".into());
+    a
+}
+
+/// A run's `metrics.jsonl` lines without their throughput (which differs run to run).
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.contains("throughput"));
+            v
+        })
+        .collect()
+}
+
 /// Under `mpirun` (one process per rank): a run aborted after step 50 and resumed from its
 /// step-40 checkpoint writes the same metrics as an uninterrupted MPI run.
 #[test]
@@ -93,33 +125,7 @@ fn an_aborted_mpi_run_resumes_bit_for_bit() {
             .unwrap();
         (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
     };
-    let fresh = |out: &Path| -> Vec<String> {
-        let mut a = vec!["recipes/dist/quickstart_2ranks.toml".to_string()];
-        for s in [
-            "train.steps=60".to_string(),
-            "train.eval_every=20".into(),
-            "train.log_every=10".into(),
-            "train.checkpoint_every=20".into(),
-            "train.progress=false".into(),
-            "run.threads=1".into(),
-            format!("run.output_dir={}", out.display()),
-        ] {
-            a.extend(["--set".to_string(), s]);
-        }
-        a.push("--no-env".into());
-        a
-    };
-    let metrics = |dir: &Path| -> Vec<serde_json::Value> {
-        std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-                v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.contains("throughput"));
-                v
-            })
-            .collect()
-    };
+    let fresh = |out: &Path| fresh_args(out, 60);
     let (through, killed) = (tmp.join("through"), tmp.join("killed"));
     let (ok, text) = mpirun(&fresh(&through), "");
     assert!(ok, "{text}");
@@ -166,33 +172,7 @@ fn sigterm_on_one_mpi_rank_stops_every_rank_after_the_same_step() {
             .env_remove("TRAINREC_FAILPOINT");
         c
     };
-    let fresh = |out: &Path, steps: u64| -> Vec<String> {
-        let mut a = vec!["recipes/dist/quickstart_2ranks.toml".to_string()];
-        for s in [
-            format!("train.steps={steps}"),
-            "train.eval_every=20".into(),
-            "train.log_every=10".into(),
-            "train.checkpoint_every=20".into(),
-            "train.progress=false".into(),
-            "run.threads=1".into(),
-            format!("run.output_dir={}", out.display()),
-        ] {
-            a.extend(["--set".to_string(), s]);
-        }
-        a.push("--no-env".into());
-        a
-    };
-    let metrics = |dir: &Path| -> Vec<serde_json::Value> {
-        std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-                v["metrics"].as_object_mut().unwrap().retain(|k, _| !k.contains("throughput"));
-                v
-            })
-            .collect()
-    };
+    let fresh = fresh_args;
     let checkpoints = |dir: &Path| -> Vec<u64> {
         let mut v: Vec<u64> = std::fs::read_dir(dir.join("checkpoints"))
             .unwrap()
