@@ -488,6 +488,23 @@ fn checkpoints_reshard_between_world_sizes_and_sharding_types() {
 }
 
 #[test]
+fn dynamic_tables_resume_on_other_world_sizes() {
+    // Saved on 2 row-wise ranks after 6 steps; resumed on 1 and 3 ranks (the map is the same on
+    // every rank, in the checkpoint once), training goes on as on 2 ranks without a stop.
+    let dynamic = "tables[0].dynamic={admit_after=2,ttl_steps=3,eviction=\"lfu\",id_space=200}";
+    let out = std::env::temp_dir().join(format!("trainrec-dist-ck-dynamic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    train_path(2, &checkpoint_recipe(2, "row_wise", 6, Some(6), &out), &[dynamic], None);
+    let ck = trainrec::engine::checkpoint::latest(&out.join("checkpoints")).unwrap().expect("a checkpoint");
+    let through = train_path(2, &checkpoint_recipe(2, "row_wise", 10, None, &out.join("through")), &[dynamic], None);
+    for to in [1, 3] {
+        let resumed = train_path(to, &checkpoint_recipe(to, "row_wise", 10, None, &out), &[dynamic], Some(&ck));
+        assert_trains_alike(&format!("a dynamic table saved on 2 ranks resumed on {to}"), &resumed, &through);
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
 fn owner_remapped_managed_collisions_resume_on_other_world_sizes() {
     let out = std::env::temp_dir().join(format!("trainrec-dist-ck-mc-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
