@@ -182,7 +182,11 @@ impl Core {
                     Some(cache) => {
                         let spr = tables[t].optimizer.state_per_row(c.dim);
                         let dim = c.dim;
-                        let init = move |rows| crate::tbe::init_uniform_block(key, bound, dim, rows, 0..dim);
+                        let block = c.init_block.clone();
+                        let init = move |rows: std::ops::Range<u64>| match &block {
+                            Some(b) => b.rows(rows),
+                            None => crate::tbe::init_uniform_block(key, bound, dim, rows, 0..dim),
+                        };
                         caches[t] = Some(RowCache::with_precision(
                             keys[g].precision,
                             &c.name,

@@ -30,6 +30,42 @@ pub struct EmbeddingBagConfig {
     /// Keep only a cache of the rows in memory, the table in a file (the CPU
     /// `fused_uvm_caching` kernel); `None` holds the whole table in memory.
     pub cache: Option<crate::CacheConfig>,
+    /// The table is a block of a larger table (a shard): its initial weights are that table's
+    /// (so a cached shard's store starts from them without writing a row). `None`: its own.
+    pub init_block: Option<InitBlock>,
+}
+
+/// Where a shard's initial weights come from: table `table` (`table_rows × table_dim`) of a
+/// collection built with `seed`, rows from `first_row`, columns `cols`
+/// ([`crate::initial_weights`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InitBlock {
+    /// The collection's seed.
+    pub seed: u64,
+    /// The table's index in that collection.
+    pub table: usize,
+    /// Its rows.
+    pub table_rows: u64,
+    /// Its dim.
+    pub table_dim: usize,
+    /// The block's first row.
+    pub first_row: u64,
+    /// The block's columns.
+    pub cols: std::ops::Range<usize>,
+}
+
+impl InitBlock {
+    /// The initial weights of the block's rows `rows` (block-local).
+    pub fn rows(&self, rows: std::ops::Range<u64>) -> Vec<f32> {
+        crate::collection::initial_weights(
+            self.seed,
+            self.table,
+            self.table_rows,
+            self.table_dim,
+            rows.start + self.first_row..rows.end + self.first_row,
+            self.cols.clone(),
+        )
+    }
 }
 
 impl EmbeddingBagConfig {
@@ -45,6 +81,7 @@ impl EmbeddingBagConfig {
             stochastic_rounding: true,
             optimizer: None,
             cache: None,
+            init_block: None,
         }
     }
 

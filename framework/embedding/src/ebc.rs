@@ -190,8 +190,12 @@ impl EmbeddingBagCollection {
     ) -> Option<impl Fn(std::ops::Range<u64>) -> Vec<f32> + Send + Sync + 'static + use<>> {
         let core = self.core();
         let t = core.table_index(name)?;
-        let (seed, rows, dim) = (core.seed, core.tables[t].config.rows, core.tables[t].config.dim);
-        Some(move |r: std::ops::Range<u64>| crate::collection::initial_weights(seed, t, rows, dim, r, 0..dim))
+        let c = &core.tables[t].config;
+        let (seed, rows, dim, block) = (core.seed, c.rows, c.dim, c.init_block.clone());
+        Some(move |r: std::ops::Range<u64>| match &block {
+            Some(b) => b.rows(r),
+            None => crate::collection::initial_weights(seed, t, rows, dim, r, 0..dim),
+        })
     }
 
     pub(crate) fn core(&self) -> &Core {

@@ -33,7 +33,7 @@ pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, PoolingMode, SparseOptimizerConfig, StatePart, WeightDecayMode,
     WeightPrecision, defaults,
 };
-pub use config::{CacheBacking, CacheConfig, CachePolicy};
+pub use config::{CacheBacking, CacheConfig, CachePolicy, InitBlock};
 pub use ebc::EmbeddingBagCollection;
 pub use ec::{EmbeddingCollection, SequenceEmbeddings};
 pub use engine::{

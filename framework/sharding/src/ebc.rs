@@ -180,8 +180,30 @@ impl ShardedEbc {
         let local = if local_tables.is_empty() {
             None
         } else {
+            // Each shard starts from its block of the unsharded table's initial weights: a
+            // cached shard's store computes them (a key-value store then holds no row yet), the
+            // others are written.
+            let mut local_tables = local_tables;
+            for (name, ti, si) in &init {
+                if let Some(c) = local_tables.iter_mut().find(|c| &c.name == name) {
+                    let (t, sh) = (&tables[*ti], &shardings[*ti].shards[*si]);
+                    c.init_block = Some(trainrec_embedding::InitBlock {
+                        seed,
+                        table: *ti,
+                        table_rows: t.rows,
+                        table_dim: t.dim,
+                        first_row: sh.rows.start,
+                        cols: sh.cols.clone(),
+                    });
+                }
+            }
+            let written: Vec<(String, usize, usize)> = init
+                .iter()
+                .filter(|(name, ..)| local_tables.iter().any(|c| &c.name == name && c.cache.is_none()))
+                .cloned()
+                .collect();
             let mut ebc = EmbeddingBagCollection::new(local_tables, optimizer.clone(), seed).map_err(module)?;
-            for (name, w) in initial_shard_weights(&tables, &shardings, &init, seed) {
+            for (name, w) in initial_shard_weights(&tables, &shardings, &written, seed) {
                 ebc.set_table_weights(&name, w).map_err(module)?;
             }
             Some(Box::new(ebc) as Box<dyn TableEngine>)

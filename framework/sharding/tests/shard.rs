@@ -200,3 +200,50 @@ fn shard_modules_shards_the_embedding_modules_and_keeps_the_rest() {
         "{missing}"
     );
 }
+
+/// A key-value table sharded row- or column-wise: each shard's store starts from its block of
+/// the unsharded table's initial weights without holding a row (it held every row when the
+/// shard was written at build), and reads those weights.
+#[test]
+fn key_value_shards_start_from_the_unsharded_weights_holding_no_row() {
+    use trainrec_embedding::{CacheBacking, CacheConfig, CachePolicy, EmbeddingEngine};
+    let dir = std::env::temp_dir().join(format!("trainrec-kv-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cached = |t: EmbeddingBagConfig| {
+        let slots = 4;
+        t.with_cache(CacheConfig { slots, policy: CachePolicy::Lru, backing: CacheBacking::KeyValue, dir: dir.clone() })
+    };
+    let opt = SparseOptimizerConfig::Adagrad { lr: 0.1, eps: 1e-8 };
+    let full = EmbeddingBagCollection::new(tables(), opt.clone(), 9).unwrap();
+    let want = full.table_weights("t0").unwrap();
+    for plan in [
+        ShardingPlan::new().with("t0", TableSharding::row_wise(30, 8, &[0, 1])),
+        ShardingPlan::new().with("t0", TableSharding::column_wise(30, 8, 4, &[1, 0])),
+    ] {
+        let plan = plan.with("t1", TableSharding::table_wise(21, 6, 0)).with("t2", TableSharding::table_wise(12, 4, 1));
+        let results = ThreadGroup::run(2, Duration::from_secs(30), |pg| {
+            let mut configs = tables();
+            configs[0] = cached(configs[0].clone());
+            let shardings = configs.iter().map(|t| plan.get(&t.name).cloned().unwrap()).collect();
+            let sharded = trainrec_sharding::ShardedEbc::new(configs, shardings, opt.clone(), 9, Arc::new(pg)).unwrap();
+            (sharded.cache_placements(), sharded.local_shards())
+        });
+        for r in &results {
+            let (placements, shards) = r.as_ref().unwrap();
+            assert!(!placements.is_empty());
+            for (name, p) in placements {
+                assert_eq!((p.backing, p.stored), (CacheBacking::KeyValue, 0), "{name}");
+            }
+            for s in shards.iter().filter(|s| s.table == "t0") {
+                let got: Vec<f32> = s.weights.clone();
+                let block: Vec<f32> = s
+                    .rows
+                    .clone()
+                    .flat_map(|r| want[r as usize * 8 + s.cols.start..r as usize * 8 + s.cols.end].to_vec())
+                    .collect();
+                assert_eq!(got, block, "{:?} {:?}", s.rows, s.cols);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
