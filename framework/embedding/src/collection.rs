@@ -683,3 +683,17 @@ pub fn initial_weights(
     let (bound, key) = init_params(seed, table, table_rows);
     crate::tbe::init_uniform_block(key, bound, dim, rows, cols)
 }
+
+impl crate::InitBlock {
+    /// The initial weights of the block's rows `rows` (block-local).
+    pub fn rows(&self, rows: std::ops::Range<u64>) -> Vec<f32> {
+        initial_weights(
+            self.seed,
+            self.table,
+            self.table_rows,
+            self.table_dim,
+            rows.start + self.first_row..rows.end + self.first_row,
+            self.cols.clone(),
+        )
+    }
+}

@@ -37,7 +37,7 @@ pub struct EmbeddingBagConfig {
 
 /// Where a shard's initial weights come from: table `table` (`table_rows × table_dim`) of a
 /// collection built with `seed`, rows from `first_row`, columns `cols`
-/// ([`crate::initial_weights`]).
+/// (the collection's `initial_weights`; `InitBlock::rows` computes them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InitBlock {
     /// The collection's seed.
@@ -52,20 +52,6 @@ pub struct InitBlock {
     pub first_row: u64,
     /// The block's columns.
     pub cols: std::ops::Range<usize>,
-}
-
-impl InitBlock {
-    /// The initial weights of the block's rows `rows` (block-local).
-    pub fn rows(&self, rows: std::ops::Range<u64>) -> Vec<f32> {
-        crate::collection::initial_weights(
-            self.seed,
-            self.table,
-            self.table_rows,
-            self.table_dim,
-            rows.start + self.first_row..rows.end + self.first_row,
-            self.cols.clone(),
-        )
-    }
 }
 
 impl EmbeddingBagConfig {
