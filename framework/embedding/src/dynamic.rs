@@ -88,7 +88,7 @@ pub struct DynamicTable {
     last: Vec<u64>,
     /// Live rows by (last step seen, row): expiry and `lru` order.
     by_last: BTreeSet<(u64, u32)>,
-    /// Live rows by (count, last step seen, row): `lfu` order.
+    /// Live rows by (count, last step seen, row): `lfu` order (kept under `lfu` only).
     by_count: BTreeSet<(u64, u64, u32)>,
     /// Free rows, lowest first.
     free: BTreeSet<u32>,
@@ -231,13 +231,17 @@ impl DynamicTable {
     fn unindex(&mut self, r: u32) {
         let i = r as usize;
         self.by_last.remove(&(self.last[i], r));
-        self.by_count.remove(&(self.counts[i], self.last[i], r));
+        if self.config.eviction == DynamicEviction::Lfu {
+            self.by_count.remove(&(self.counts[i], self.last[i], r));
+        }
     }
 
     fn index(&mut self, r: u32) {
         let i = r as usize;
         self.by_last.insert((self.last[i], r));
-        self.by_count.insert((self.counts[i], self.last[i], r));
+        if self.config.eviction == DynamicEviction::Lfu {
+            self.by_count.insert((self.counts[i], self.last[i], r));
+        }
     }
 
     fn free_row(&mut self, r: u32) {

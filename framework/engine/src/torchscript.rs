@@ -61,8 +61,11 @@ fn table_tensor(weights: &[f32], rows: u64, dim: usize, quantize: Option<QuantPr
     match quantize {
         None => TensorBytes::f32(shape, weights),
         Some(QuantPrecision::Fp16) => {
-            // Rounded to the nearest fp16, as `trainrec eval --quantize fp16` rounds.
-            let bytes = weights.iter().flat_map(|&v| half_bits(v).to_le_bytes()).collect();
+            // Rounded to the nearest fp16 (ties to even), as `trainrec eval --quantize fp16`
+            // rounds: one conversion of the whole table.
+            let half = Tensor::from_slice(weights).to_kind(Kind::Half);
+            let mut bytes = vec![0u8; weights.len() * 2];
+            half.copy_data_u8(&mut bytes, weights.len());
             TensorBytes { dtype: Dtype::F16, shape, bytes }
         }
         Some(QuantPrecision::Int8) => {
@@ -71,14 +74,6 @@ fn table_tensor(weights: &[f32], rows: u64, dim: usize, quantize: Option<QuantPr
             TensorBytes { dtype: Dtype::U8, shape: vec![rows as i64, dim as i64 + 8], bytes }
         }
     }
-}
-
-/// IEEE fp16 bits of `v`, rounded to nearest even.
-fn half_bits(v: f32) -> u16 {
-    let t = Tensor::from_slice(&[v]).to_kind(Kind::Half);
-    let mut b = [0u8; 2];
-    t.copy_data_u8(&mut b, 1);
-    u16::from_le_bytes(b)
 }
 
 /// The retrieval corpus a two-tower file carries: every row of the table of the model's one

@@ -469,27 +469,43 @@ fn a_failed_checkpoint_write_leaves_nothing_behind() {
 /// One writer per run directory: a second run into a directory a run is writing is refused
 /// with exit 2, naming the holder; once the holder is killed (`kill -9`), its lock is gone and
 /// the directory can be resumed.
-#[test]
-fn a_second_writer_is_refused_and_a_killed_holder_never_blocks() {
-    let out = out_dir("lock");
+/// `trainrec run` of the quickstart on `world` ranks into `out` for a million steps (it runs
+/// until stopped), started in the background with `failpoint` set and stderr going to
+/// `stderr`; returned with its arguments once it has written its step-20 checkpoint (it holds
+/// the run directory's lock by then).
+fn endless_run(
+    world: usize,
+    out: &Path,
+    failpoint: Option<&str>,
+    stderr: std::process::Stdio,
+) -> (Vec<String>, std::process::Child) {
     let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
-    for s in settings(1, &out).into_iter().chain(["train.steps=1000000".to_string()]) {
+    for s in settings(world, out).into_iter().chain(["train.steps=1000000".to_string()]) {
         args.extend(["--set".to_string(), s]);
     }
-    let mut first = Command::new(env!("CARGO_BIN_EXE_trainrec"))
-        .args(&args)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainrec"));
+    cmd.args(&args)
         .current_dir(workspace())
         .env("OMP_NUM_THREADS", "1")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    // The holder has the lock once it writes its first checkpoint (step 20).
+        .stderr(stderr);
+    if let Some(f) = failpoint {
+        cmd.env("TRAINREC_FAILPOINT", f);
+    }
+    let child = cmd.spawn().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while !out.join("checkpoints").join("step-00000020").exists() {
-        assert!(std::time::Instant::now() < deadline, "the first run never checkpointed");
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(std::time::Instant::now() < deadline, "the run never checkpointed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    (args, child)
+}
+
+#[test]
+fn a_second_writer_is_refused_and_a_killed_holder_never_blocks() {
+    let out = out_dir("lock");
+    // The holder has the lock once it writes its first checkpoint (step 20).
+    let (args, mut first) = endless_run(1, &out, None, std::process::Stdio::null());
     let (code, err) = trainrec(&args, None);
     assert_eq!(code, Some(2), "{err}");
     let pid = first.id();
@@ -528,23 +544,7 @@ fn a_second_writer_is_refused_and_a_killed_holder_never_blocks() {
 fn a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly() {
     for (world, signal, code) in [(1, "-TERM", 143), (2, "-INT", 130)] {
         let out = out_dir(&format!("signal-{world}"));
-        let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
-        for s in settings(world, &out).into_iter().chain(["train.steps=1000000".to_string()]) {
-            args.extend(["--set".to_string(), s]);
-        }
-        let child = Command::new(env!("CARGO_BIN_EXE_trainrec"))
-            .args(&args)
-            .current_dir(workspace())
-            .env("OMP_NUM_THREADS", "1")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-        while !out.join("checkpoints").join("step-00000020").exists() {
-            assert!(std::time::Instant::now() < deadline, "the run never checkpointed");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        let (_, child) = endless_run(world, &out, None, std::process::Stdio::piped());
         let killed = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
         assert!(killed.success());
         let done = child.wait_with_output().unwrap();
@@ -576,24 +576,7 @@ fn a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly() {
 #[test]
 fn a_second_signal_exits_at_once() {
     let out = out_dir("second-signal");
-    let mut args = vec!["run".to_string(), "recipes/quickstart.toml".into()];
-    for s in settings(1, &out).into_iter().chain(["train.steps=1000000".to_string()]) {
-        args.extend(["--set".to_string(), s]);
-    }
-    let child = Command::new(env!("CARGO_BIN_EXE_trainrec"))
-        .args(&args)
-        .current_dir(workspace())
-        .env("OMP_NUM_THREADS", "1")
-        .env("TRAINREC_FAILPOINT", "stop-hold-ms:60000")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while !out.join("checkpoints").join("step-00000020").exists() {
-        assert!(std::time::Instant::now() < deadline, "the run never checkpointed");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let (_, child) = endless_run(1, &out, Some("stop-hold-ms:60000"), std::process::Stdio::piped());
     let pid = child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     // The first signal's stop is now held for a minute before its save.

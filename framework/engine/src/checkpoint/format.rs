@@ -288,17 +288,21 @@ fn sync_dir(dir: &Path) {
 /// at `step`: `abort-after-step:25` stops the process the way `kill -9` does after step 25;
 /// `checkpoint-before-manifest:40` does during the save of step 40, after the rank files and
 /// before the manifest.
-/// The value of failpoint `name:N` in `TRAINREC_FAILPOINT`, when set (e.g. `stop-hold-ms:3000`).
-pub(crate) fn failpoint_value(name: &str) -> Option<u64> {
-    let v = std::env::var("TRAINREC_FAILPOINT").ok()?;
-    v.split(',').find_map(|f| f.strip_prefix(name).and_then(|r| r.strip_prefix(':')).and_then(|n| n.parse().ok()))
+pub(crate) fn failpoint(name: &str, step: u64) -> bool {
+    failpoint_values(name).contains(&step)
 }
 
-pub(crate) fn failpoint(name: &str, step: u64) -> bool {
-    std::env::var("TRAINREC_FAILPOINT").is_ok_and(|v| {
-        v.split(',')
-            .any(|f| f.strip_prefix(name).and_then(|r| r.strip_prefix(':')).and_then(|n| n.parse().ok()) == Some(step))
-    })
+/// The value of failpoint `name:N` in `TRAINREC_FAILPOINT`, when set (e.g. `stop-hold-ms:3000`).
+pub(crate) fn failpoint_value(name: &str) -> Option<u64> {
+    failpoint_values(name).first().copied()
+}
+
+/// Every `N` of the entries `name:N` of `TRAINREC_FAILPOINT`, in order.
+fn failpoint_values(name: &str) -> Vec<u64> {
+    let Ok(v) = std::env::var("TRAINREC_FAILPOINT") else { return Vec::new() };
+    v.split(',')
+        .filter_map(|f| f.strip_prefix(name).and_then(|r| r.strip_prefix(':')).and_then(|n| n.parse().ok()))
+        .collect()
 }
 
 /// Saves a checkpoint of `step` under `root` (every rank calls it; `pg` across ranks) and

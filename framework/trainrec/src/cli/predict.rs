@@ -240,7 +240,8 @@ impl Writer {
     }
 
     fn parquet_schema(&self) -> String {
-        let name = |n: &str| format!("\"{}\"", n.replace('"', "_"));
+        // The schema parser takes plain names: a quote in a task or feature name becomes `_`.
+        let name = |n: &str| n.replace('"', "_");
         let mut fields = vec!["required int64 row;".to_string()];
         let float_cols = self.columns().into_iter().skip(1).take(self.tasks.len() * (2 + usize::from(self.labels)));
         fields.extend(float_cols.map(|c| format!("required float {};", name(&c))));
@@ -253,9 +254,7 @@ impl Writer {
                 ));
             }
         }
-        // Names are quoted only where the parser needs it; plain ones go as they are.
-        let message = format!("message predictions {{ {} }}", fields.join(" "));
-        message.replace('"', "")
+        format!("message predictions {{ {} }}", fields.join(" "))
     }
 
     fn write(&mut self, rows: &Rows) -> Result<(), CliError> {
