@@ -648,6 +648,44 @@ impl RowCache {
         (out, state)
     }
 
+    /// Rows of a `KeyValue` table that hold anything but their initial weights and zero
+    /// state: those with a record in the store or in a slot, ascending. `None` for a `Rows`
+    /// store (every row has a record).
+    pub(crate) fn written_rows(&self) -> Option<Vec<u32>> {
+        if self.backing.kind != CacheBacking::KeyValue {
+            return None;
+        }
+        let mut rows: Vec<u32> =
+            self.backing.index.keys().copied().chain(self.row_of.iter().copied().filter(|&r| r != FREE)).collect();
+        rows.sort_unstable();
+        rows.dedup();
+        Some(rows)
+    }
+
+    /// The weights as fp32 (`[rows, dim]`) and optimizer state (`[rows, spr]`) of `rows`,
+    /// from their slots or the store.
+    pub(crate) fn rows_f32<T: Weight + Pod>(&self, tbe: &Tbe<T>, t: usize, rows: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        let (dim, spr) = (self.dim, self.spr);
+        let (mut w, mut st) = (vec![0f32; rows.len() * dim], vec![0f32; rows.len() * spr]);
+        let mut stored = vec![T::from_f32(0.0); dim];
+        for (i, &r) in rows.iter().enumerate() {
+            let (ow, os) = (&mut w[i * dim..][..dim], &mut st[i * spr..][..spr]);
+            match self.slot(r) {
+                Some(s) => {
+                    let (rw, rs) = tbe.row(t, s as usize);
+                    ow.iter_mut().zip(rw).for_each(|(o, x)| *o = x.to_f32());
+                    os.copy_from_slice(rs);
+                }
+                None => {
+                    self.backing.read_w(r, bytes_of_mut(&mut stored));
+                    ow.iter_mut().zip(&stored).for_each(|(o, x)| *o = x.to_f32());
+                    self.backing.read_s(r, os);
+                }
+            }
+        }
+        (w, st)
+    }
+
     /// Replaces the whole table's weights (fp32, rounded to nearest) or optimizer state, in
     /// the resident rows' slots (then dirty) and the backing store.
     pub(crate) fn set_table<T: Weight + Pod>(

@@ -277,6 +277,112 @@ impl Core {
         Ok(())
     }
 
+    /// Table number `i`'s initial fp32 weights of rows `rows` (all columns).
+    pub(crate) fn initial_of(&self, i: usize, rows: std::ops::Range<u64>) -> Vec<f32> {
+        let c = &self.tables[i].config;
+        match &c.init_block {
+            Some(b) => b.rows(rows),
+            None => initial_weights(self.seed, i, c.rows, c.dim, rows, 0..c.dim),
+        }
+    }
+
+    /// The rows of table `name` that hold anything but their initial weights and zero state,
+    /// ascending, when the table keeps only those (a `KeyValue` store); `None` otherwise.
+    pub(crate) fn sparse_rows(&self, name: &str) -> Option<Vec<u64>> {
+        let i = self.table_index(name)?;
+        let rows = self.caches[i].as_ref()?.written_rows()?;
+        Some(rows.into_iter().map(u64::from).collect())
+    }
+
+    /// The fp32 weights (`[rows, dim]`) and optimizer state (`[rows, spr]`) of `rows` of
+    /// table `name`.
+    pub(crate) fn rows_state(&self, name: &str, rows: &[u64]) -> Result<(Vec<f32>, Vec<f32>), EmbeddingError> {
+        let i = self.table_or_err(name)?;
+        let t = &self.tables[i];
+        let (dim, spr) = (t.config.dim, t.optimizer.state_per_row(t.config.dim));
+        if let Some(r) = rows.iter().find(|&&r| r >= t.config.rows) {
+            return Err(EmbeddingError::Shape(format!("table \"{name}\" has {} rows, not row {r}", t.config.rows)));
+        }
+        Ok(match &self.caches[i] {
+            Some(c) => {
+                let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                dispatch!(&self.groups[t.group], g => c.rows_f32(g, t.local, &rows))
+            }
+            None => {
+                let (mut w, mut st) = (Vec::with_capacity(rows.len() * dim), Vec::with_capacity(rows.len() * spr));
+                dispatch!(&self.groups[t.group], g => {
+                    for &r in rows {
+                        let (rw, rs) = g.row(t.local, r as usize);
+                        w.extend(rw.iter().map(|x| crate::precision::Weight::to_f32(*x)));
+                        st.extend_from_slice(rs);
+                    }
+                });
+                (w, st)
+            }
+        })
+    }
+
+    /// Sets table `name` to a sparse block: `rows` (ascending) get `weights` (`[rows, dim]`)
+    /// and `state` (`[rows, spr]`; empty for a stateless optimizer), every other row its
+    /// initial weights and zero state.
+    pub(crate) fn load_rows(
+        &mut self,
+        name: &str,
+        rows: &[u64],
+        weights: &[f32],
+        state: &[f32],
+    ) -> Result<(), EmbeddingError> {
+        let i = self.table_or_err(name)?;
+        let (dim, spr, n) = {
+            let t = &self.tables[i];
+            (t.config.dim, t.optimizer.state_per_row(t.config.dim), t.config.rows)
+        };
+        if weights.len() != rows.len() * dim || state.len() != rows.len() * spr {
+            return Err(EmbeddingError::Shape(format!(
+                "table \"{name}\": {} rows need {} weights and {} state values, got {} and {}",
+                rows.len(),
+                rows.len() * dim,
+                rows.len() * spr,
+                weights.len(),
+                state.len()
+            )));
+        }
+        if let Some(r) = rows.iter().find(|&&r| r >= n) {
+            return Err(EmbeddingError::Shape(format!("table \"{name}\" has {n} rows, not row {r}")));
+        }
+        if self.caches[i].is_none() {
+            let mut w = self.initial_of(i, 0..n);
+            let mut st = vec![0f32; n as usize * spr];
+            for (j, &r) in rows.iter().enumerate() {
+                w[r as usize * dim..][..dim].copy_from_slice(&weights[j * dim..][..dim]);
+                st[r as usize * spr..][..spr].copy_from_slice(&state[j * spr..][..spr]);
+            }
+            self.set_weights(name, &w)?;
+            return if spr > 0 { self.set_state(name, &st) } else { Ok(()) };
+        }
+        // Rows written now but not in the block go back to their initial values.
+        let stale: Vec<u64> = self.sparse_rows(name).unwrap_or_default();
+        let zeros = vec![0f32; spr];
+        let t = &self.tables[i];
+        let c = self.caches[i].as_mut().expect("a cached table");
+        dispatch!(&mut self.groups[t.group], g => {
+            for r in stale.into_iter().filter(|r| rows.binary_search(r).is_err()) {
+                let init = {
+                    let cfg = &t.config;
+                    match &cfg.init_block {
+                        Some(b) => b.rows(r..r + 1),
+                        None => initial_weights(self.seed, i, cfg.rows, cfg.dim, r..r + 1, 0..cfg.dim),
+                    }
+                };
+                c.write_row(g, t.local, r as u32, &init, Some(&zeros))?;
+            }
+            for (j, &r) in rows.iter().enumerate() {
+                c.write_row(g, t.local, r as u32, &weights[j * dim..][..dim], Some(&state[j * spr..][..spr]))?;
+            }
+        });
+        Ok(())
+    }
+
     /// Optimizer steps applied to table `name`'s group.
     pub(crate) fn step_count(&self, name: &str) -> Option<u64> {
         let t = &self.tables[self.table_index(name)?];

@@ -82,7 +82,9 @@ pub struct DynamicTable {
     config: DynamicConfig,
     step: u64,
     row_of: IdMap,
-    /// Per row: its id ([`NOT_ADMITTED`]: free), count and last step seen.
+    /// Per row below the high-water mark (rows are taken lowest first, so memory follows the
+    /// rows ever used, not the capacity): its id ([`NOT_ADMITTED`]: free), count and last
+    /// step seen.
     ids: Vec<i64>,
     counts: Vec<u64>,
     last: Vec<u64>,
@@ -90,7 +92,8 @@ pub struct DynamicTable {
     by_last: BTreeSet<(u64, u32)>,
     /// Live rows by (count, last step seen, row): `lfu` order (kept under `lfu` only).
     by_count: BTreeSet<(u64, u64, u32)>,
-    /// Free rows, lowest first.
+    /// Free rows below the high-water mark `ids.len()`, lowest first (every row from the mark
+    /// up is free too).
     free: BTreeSet<u32>,
     sketch: Vec<u32>,
     /// Sightings counted since the sketch was last halved.
@@ -98,16 +101,19 @@ pub struct DynamicTable {
     stats: DynamicStats,
 }
 
-/// Everything a checkpoint needs to rebuild a [`DynamicTable`] exactly.
+/// Everything a checkpoint needs to rebuild a [`DynamicTable`] exactly: the live rows alone
+/// (a free row holds nothing).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DynamicState {
     /// Steps taken.
     pub step: u64,
-    /// Per row: id ([`NOT_ADMITTED`]: free), count, last step seen.
+    /// The rows holding an id, ascending.
+    pub rows: Vec<u32>,
+    /// Per live row: its id.
     pub ids: Vec<i64>,
-    /// Per row: count.
+    /// Per live row: its count.
     pub counts: Vec<u64>,
-    /// Per row: last step seen.
+    /// Per live row: the last step it was seen.
     pub last: Vec<u64>,
     /// The admission sketch's counters.
     pub sketch: Vec<u32>,
@@ -135,17 +141,16 @@ impl DynamicTable {
         if config.sketch_width == 0 || config.sketch_depth == 0 {
             return Err("the sketch needs a width and a depth of at least 1".into());
         }
-        let n = config.capacity as usize;
         let sketch = vec![0; config.sketch_width * config.sketch_depth];
         Ok(Self {
             step: 0,
             row_of: IdMap::default(),
-            ids: vec![NOT_ADMITTED; n],
-            counts: vec![0; n],
-            last: vec![0; n],
+            ids: Vec::new(),
+            counts: Vec::new(),
+            last: Vec::new(),
             by_last: BTreeSet::new(),
             by_count: BTreeSet::new(),
-            free: (0..config.capacity).collect(),
+            free: BTreeSet::new(),
             sketch,
             sketch_added: 0,
             stats: DynamicStats::default(),
@@ -168,10 +173,10 @@ impl DynamicTable {
         self.step
     }
 
-    /// Bytes of the id map and the sketch (the rows' embeddings are the engine's).
+    /// Bytes of the id map and the sketch (the rows' embeddings are the engine's): per row
+    /// ever used its id, count and last step, per live row a map entry and two index entries.
     pub fn bytes(&self) -> u64 {
-        let per_row = 8 + 8 + 8 + 16 + 24 + 24; // ids, counts, last, map entry, two index entries
-        (self.ids.len() * per_row + self.sketch.len() * 4) as u64
+        (self.ids.len() * 24 + self.row_of.len() * (16 + 24 + 24) + self.free.len() * 4 + self.sketch.len() * 4) as u64
     }
 
     /// The row of `id`, if it has one.
@@ -179,7 +184,8 @@ impl DynamicTable {
         self.row_of.get(&id).copied()
     }
 
-    /// The id each row holds ([`NOT_ADMITTED`]: free).
+    /// The id each row holds ([`NOT_ADMITTED`]: free), up to the highest row ever used (the
+    /// rows after it are free).
     pub fn ids(&self) -> &[i64] {
         &self.ids
     }
@@ -260,6 +266,13 @@ impl DynamicTable {
         if let Some(r) = self.free.pop_first() {
             return Some(r);
         }
+        if (self.ids.len() as u64) < u64::from(self.config.capacity) {
+            // The lowest row never used.
+            self.ids.push(NOT_ADMITTED);
+            self.counts.push(0);
+            self.last.push(0);
+            return Some(self.ids.len() as u32 - 1);
+        }
         let step = self.step;
         let victim = match self.config.eviction {
             DynamicEviction::Lru => self.by_last.first().filter(|&&(l, _)| l < step).map(|&(_, r)| r),
@@ -323,13 +336,16 @@ impl DynamicTable {
         fresh.into_iter().collect()
     }
 
-    /// The state to checkpoint.
+    /// The state to checkpoint: the live rows.
     pub fn state(&self) -> DynamicState {
+        let rows: Vec<u32> = (0..self.ids.len() as u32).filter(|&r| self.ids[r as usize] != NOT_ADMITTED).collect();
+        let pick = |v: &[u64]| rows.iter().map(|&r| v[r as usize]).collect();
         DynamicState {
             step: self.step,
-            ids: self.ids.clone(),
-            counts: self.counts.clone(),
-            last: self.last.clone(),
+            ids: rows.iter().map(|&r| self.ids[r as usize]).collect(),
+            counts: pick(&self.counts),
+            last: pick(&self.last),
+            rows,
             sketch: self.sketch.clone(),
             sketch_added: self.sketch_added,
             stats: self.stats,
@@ -338,14 +354,22 @@ impl DynamicTable {
 
     /// Restores [`Self::state`] (same capacity and sketch size).
     pub fn load(&mut self, s: DynamicState) -> Result<(), String> {
-        let n = self.config.capacity as usize;
+        let n = s.rows.len();
         if s.ids.len() != n || s.counts.len() != n || s.last.len() != n || s.sketch.len() != self.sketch.len() {
             return Err(format!(
-                "a dynamic table state of {} rows and {} sketch counters does not fit {} rows and {}",
+                "a dynamic table state of {n} rows with {} ids, {} counts and {} steps, and {} sketch counters, does \
+                 not fit a sketch of {}",
                 s.ids.len(),
+                s.counts.len(),
+                s.last.len(),
                 s.sketch.len(),
-                n,
                 self.sketch.len()
+            ));
+        }
+        if s.rows.windows(2).any(|w| w[0] >= w[1]) || s.rows.last().is_some_and(|&r| r >= self.config.capacity) {
+            return Err(format!(
+                "a dynamic table state's rows are not ascending rows of its {} (the capacity)",
+                self.config.capacity
             ));
         }
         let mut fresh = Self::new(self.config.clone())?;
@@ -353,21 +377,21 @@ impl DynamicTable {
         fresh.sketch = s.sketch;
         fresh.sketch_added = s.sketch_added;
         fresh.stats = s.stats;
-        fresh.free.clear();
-        for r in 0..n {
-            let id = s.ids[r];
-            fresh.ids[r] = id;
-            fresh.counts[r] = s.counts[r];
-            fresh.last[r] = s.last[r];
-            if id == NOT_ADMITTED {
-                fresh.free.insert(r as u32);
-            } else {
-                if id < 0 || fresh.row_of.insert(id, r as u32).is_some() {
-                    return Err(format!("a dynamic table state holds id {id} twice or a negative id"));
-                }
-                fresh.index(r as u32);
+        let mark = s.rows.last().map_or(0, |&r| r as usize + 1);
+        fresh.ids = vec![NOT_ADMITTED; mark];
+        fresh.counts = vec![0; mark];
+        fresh.last = vec![0; mark];
+        for (i, &r) in s.rows.iter().enumerate() {
+            let (id, j) = (s.ids[i], r as usize);
+            if id < 0 || fresh.row_of.insert(id, r).is_some() {
+                return Err(format!("a dynamic table state holds id {id} twice or a negative id"));
             }
+            fresh.ids[j] = id;
+            fresh.counts[j] = s.counts[i];
+            fresh.last[j] = s.last[i];
+            fresh.index(r);
         }
+        fresh.free = (0..mark as u32).filter(|&r| fresh.ids[r as usize] == NOT_ADMITTED).collect();
         *self = fresh;
         Ok(())
     }
@@ -522,6 +546,20 @@ mod tests {
         step(&mut t, &others);
         assert_eq!(step(&mut t, &[1]).0, [X], "the first sighting faded");
         assert_eq!(step(&mut t, &[1]).0, [0], "two sightings within a period admit");
+    }
+
+    #[test]
+    fn memory_follows_the_rows_used_not_the_capacity() {
+        // A billion rows of capacity (a key-value store behind them): the map holds the three
+        // rows used, and its state (a checkpoint's) the two live ones.
+        let mut t = table(1_000_000_000, 1, Some(1), DynamicEviction::Lru);
+        step(&mut t, &[5, 6, 7]);
+        step(&mut t, &[6]);
+        step(&mut t, &[8]); // 5 and 7 expired (rows 0 and 2); 8 takes row 0, the lowest free.
+        assert_eq!(t.ids(), [8, 6, X]);
+        assert!(t.bytes() < 64 * 1024 + 1024 * 4 * 4, "{} bytes", t.bytes());
+        let s = t.state();
+        assert_eq!((s.rows, s.ids, s.counts, s.last), (vec![0, 1], vec![8, 6], vec![1, 2], vec![3, 2]));
     }
 
     #[test]

@@ -72,6 +72,30 @@ impl EmbeddingBagCollection {
         self.core.set_state(name, &state)
     }
 
+    /// The rows of table `name` that hold anything but their initial weights and zero
+    /// optimizer state, ascending, when the table keeps only those (the `key_value` kernel's
+    /// store): what a checkpoint saves of it. `None`: every row is held.
+    pub fn sparse_rows(&self, name: &str) -> Option<Vec<u64>> {
+        self.core.sparse_rows(name)
+    }
+
+    /// The fp32 weights (`[rows, dim]`) and optimizer state of `rows` of table `name`.
+    pub fn rows_state(&self, name: &str, rows: &[u64]) -> Result<(Vec<f32>, Vec<f32>), EmbeddingError> {
+        self.core.rows_state(name, rows)
+    }
+
+    /// Sets table `name` from a sparse block ([`Self::sparse_rows`]): `rows` (ascending) get
+    /// `weights` and `state`, every other row its initial weights and zero state.
+    pub fn load_rows(
+        &mut self,
+        name: &str,
+        rows: &[u64],
+        weights: &[f32],
+        state: &[f32],
+    ) -> Result<(), EmbeddingError> {
+        self.core.load_rows(name, rows, weights, state)
+    }
+
     /// Optimizer steps applied so far to table `name` (the `t` of Adam's bias correction).
     pub fn step_count(&self, name: &str) -> Option<u64> {
         self.core.step_count(name)

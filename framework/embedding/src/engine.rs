@@ -235,6 +235,10 @@ pub struct LocalShard {
     pub optimizer_state: Vec<f32>,
     /// Optimizer steps applied to it.
     pub step_count: u64,
+    /// `Some`: the block holds only these rows of `rows` (table rows, ascending; `weights`
+    /// and `optimizer_state` have one row per entry), every other row its initial weights and
+    /// zero optimizer state: a key-value table's rows written so far. `None`: every row.
+    pub stored: Option<Vec<u64>>,
 }
 
 /// Pooled lookups over embedding tables: what inference needs of an engine.
@@ -333,6 +337,22 @@ pub trait TableEngine: EmbeddingEngine {
     fn set_optimizer_state(&mut self, name: &str, state: Vec<f32>) -> Result<(), EmbeddingError>;
     /// Sets table `name`'s optimizer steps.
     fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError>;
+    /// The rows of table `name` that hold anything but their initial weights and zero
+    /// optimizer state, ascending, when the table keeps only those (a key-value store);
+    /// `None`: every row is held.
+    fn sparse_rows(&self, _name: &str) -> Option<Vec<u64>> {
+        None
+    }
+    /// The fp32 weights (`[rows, dim]`) and optimizer state of `rows` of table `name` (a
+    /// table [`Self::sparse_rows`] lists rows of).
+    fn rows_state(&self, name: &str, _rows: &[u64]) -> Result<(Vec<f32>, Vec<f32>), EmbeddingError> {
+        Err(EmbeddingError::Config(format!("table \"{name}\": this engine reads whole tables only")))
+    }
+    /// Sets table `name` from a sparse block: `rows` get `weights` and `state`, every other
+    /// row its initial weights and zero state.
+    fn load_rows(&mut self, name: &str, _rows: &[u64], _weights: &[f32], _state: &[f32]) -> Result<(), EmbeddingError> {
+        Err(EmbeddingError::Config(format!("table \"{name}\": this engine loads whole tables only")))
+    }
     /// Re-initialises rows of a shard `block` of a table of `table_rows` rows
     /// ([`EmbeddingBagCollection::reset_block_rows`]).
     fn reset_block_rows(
@@ -357,9 +377,21 @@ pub fn whole_table_shards(engine: &dyn TableEngine) -> Vec<LocalShard> {
         .into_iter()
         .filter_map(|name| {
             let [rows, dim] = engine.table_shape(&name)?;
+            let (weights, optimizer_state, stored) = match engine.sparse_rows(&name) {
+                Some(stored) => {
+                    let (w, s) = engine.rows_state(&name, &stored).ok()?;
+                    (w, s, Some(stored))
+                }
+                None => (
+                    engine.table_weights(&name).ok().flatten().unwrap_or_default(),
+                    engine.optimizer_state(&name).unwrap_or_default(),
+                    None,
+                ),
+            };
             Some(LocalShard {
-                weights: engine.table_weights(&name).ok().flatten().unwrap_or_default(),
-                optimizer_state: engine.optimizer_state(&name).unwrap_or_default(),
+                weights,
+                optimizer_state,
+                stored,
                 step_count: engine.step_count(&name).unwrap_or(0),
                 table_shape: [rows, dim],
                 rows: 0..rows as u64,
@@ -386,9 +418,14 @@ pub fn load_whole_tables(engine: &mut dyn TableEngine, shards: Vec<LocalShard>) 
                 shape.map_or_else(|| "none of that name".to_string(), |[r, d]| format!("{r} x {d}"))
             )));
         }
-        engine.set_table_weights(&s.table, s.weights)?;
-        if !s.optimizer_state.is_empty() {
-            engine.set_optimizer_state(&s.table, s.optimizer_state)?;
+        match &s.stored {
+            Some(rows) => engine.load_rows(&s.table, rows, &s.weights, &s.optimizer_state)?,
+            None => {
+                engine.set_table_weights(&s.table, s.weights)?;
+                if !s.optimizer_state.is_empty() {
+                    engine.set_optimizer_state(&s.table, s.optimizer_state)?;
+                }
+            }
         }
         engine.set_step_count(&s.table, s.step_count)?;
     }
@@ -520,6 +557,15 @@ impl TableEngine for EmbeddingBagCollection {
     }
     fn set_step_count(&mut self, name: &str, steps: u64) -> Result<(), EmbeddingError> {
         EmbeddingBagCollection::set_step_count(self, name, steps)
+    }
+    fn sparse_rows(&self, name: &str) -> Option<Vec<u64>> {
+        EmbeddingBagCollection::sparse_rows(self, name)
+    }
+    fn rows_state(&self, name: &str, rows: &[u64]) -> Result<(Vec<f32>, Vec<f32>), EmbeddingError> {
+        EmbeddingBagCollection::rows_state(self, name, rows)
+    }
+    fn load_rows(&mut self, name: &str, rows: &[u64], weights: &[f32], state: &[f32]) -> Result<(), EmbeddingError> {
+        EmbeddingBagCollection::load_rows(self, name, rows, weights, state)
     }
     fn reset_block_rows(
         &mut self,

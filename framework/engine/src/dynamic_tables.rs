@@ -199,6 +199,33 @@ impl DynamicTables {
         t.table.load(state).map_err(|m| bad(name, m))
     }
 
+    /// Keeps of each dynamic table's blocks only the rows an id holds (what a checkpoint
+    /// saves: in proportion to the live rows; a free row is re-initialised when an id takes
+    /// it, so its values are never read).
+    pub(crate) fn live_rows_only(&self, shards: &mut [trainrec_embedding::LocalShard]) {
+        for s in shards.iter_mut() {
+            let Some(t) = self.tables.iter().find(|t| t.name == s.table) else { continue };
+            let ids = t.table.ids();
+            let held: Vec<u64> = match &s.stored {
+                Some(rows) => rows.clone(),
+                None => s.rows.clone().collect(),
+            };
+            let n = held.len().max(1);
+            let (w, st) = (s.weights.len() / n, s.optimizer_state.len() / n);
+            let (mut weights, mut state, mut live) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, &r) in held.iter().enumerate() {
+                if ids.get(r as usize).is_some_and(|&id| id != NOT_ADMITTED) {
+                    live.push(r);
+                    weights.extend_from_slice(&s.weights[i * w..][..w]);
+                    state.extend_from_slice(&s.optimizer_state[i * st..][..st]);
+                }
+            }
+            s.weights = weights;
+            s.optimizer_state = state;
+            s.stored = Some(live);
+        }
+    }
+
     /// Table `name`'s map for serving: the live ids sorted, with their rows.
     pub(crate) fn serving(&self, name: &str) -> Option<(Vec<i64>, Vec<i64>)> {
         let t = self.tables.iter().find(|t| t.name == name)?;

@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::{Checkpoint, CheckpointError, TensorData};
+use crate::checkpoint::{Block, Checkpoint, TensorData};
 use crate::error::EngineError;
 
 /// What [`export`] wrote.
@@ -34,18 +34,66 @@ pub struct ExportSummary {
     pub bytes: u64,
 }
 
+/// Floats of a table read and written at once (64 MiB).
+const CHUNK_FLOATS: usize = 16 << 20;
+
+/// What writes a tensor's bytes.
+type WriteBytes<'a> = Box<dyn FnOnce(&mut dyn std::io::Write) -> Result<(), EngineError> + 'a>;
+
+/// One tensor of the export: its element type, shape, and what writes its bytes.
+struct Out<'a> {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<usize>,
+    bytes: u64,
+    write: WriteBytes<'a>,
+}
+
+impl<'a> Out<'a> {
+    fn data(name: String, t: TensorData) -> Self {
+        let (dtype, shape, bytes) = (t.dtype_name(), t.shape().to_vec(), t.into_bytes());
+        Self {
+            name,
+            dtype,
+            shape,
+            bytes: bytes.len() as u64,
+            write: Box::new(move |w| w.write_all(&bytes).map_err(|e| EngineError::Internal(format!("export: {e}")))),
+        }
+    }
+}
+
 /// Exports checkpoint `dir` (a `step-<N>` directory) to `out`, written through a temporary
-/// file and a rename.
+/// file and a rename. Tables are written a chunk of rows at a time, so a table larger than
+/// memory (a key-value table of 10^8 rows) exports with memory for one chunk.
 pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
     let ck = Checkpoint::open(dir)?;
     let mut tables: BTreeMap<String, [usize; 2]> = BTreeMap::new();
     for s in &ck.manifest.shards {
         tables.insert(s.table.clone(), s.table_shape);
     }
-    let mut tensors: Vec<(String, TensorData)> = Vec::new();
+    let mut tensors: Vec<Out<'_>> = Vec::new();
     for (name, shape) in &tables {
-        let whole = ck.assemble_shard(name, *shape, 0..shape[0] as u64, 0..shape[1], &[], false)?;
-        tensors.push((format!("embedding_bags.{name}.weight"), TensorData::f32(shape.to_vec(), &whole.weights)));
+        let (name, shape, ck) = (name.clone(), *shape, &ck);
+        tensors.push(Out {
+            name: format!("embedding_bags.{name}.weight"),
+            dtype: "F32",
+            shape: shape.to_vec(),
+            bytes: (shape[0] * shape[1] * 4) as u64,
+            write: Box::new(move |w| {
+                let step = (CHUNK_FLOATS / shape[1].max(1)).max(1) as u64;
+                let mut r = 0u64;
+                while r < shape[0] as u64 {
+                    let end = (r + step).min(shape[0] as u64);
+                    let mut block = Block::whole(&name, shape);
+                    block.rows = r..end;
+                    let chunk = ck.assemble_shard(&block, &[])?;
+                    w.write_all(bytemuck::cast_slice(&chunk.weights))
+                        .map_err(|e| EngineError::Internal(format!("export: {e}")))?;
+                    r = end;
+                }
+                Ok(())
+            }),
+        });
     }
     let mut dense = 0;
     let mut mc_ids: BTreeMap<String, Vec<i64>> = BTreeMap::new();
@@ -56,12 +104,24 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
                 "F64" => TensorData::f64(shape, &ck.f64(name)?.1),
                 _ => TensorData::f32(shape, &ck.f32(name)?.1),
             };
-            tensors.push((name.clone(), data));
+            tensors.push(Out::data(name.clone(), data));
             dense += 1;
         } else if let Some(table) = name.strip_prefix("dynamic.").and_then(|n| n.strip_suffix(".ids")) {
-            // A dynamic table's map: the raw id each row holds (-1: free).
-            let ids = ck.i64(name)?.1;
-            tensors.push((format!("dynamic_tables.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
+            // A dynamic table's map: the raw id each row holds (-1: free), from the live rows'
+            // (or, in an older checkpoint, every row's).
+            let mut ids = ck.i64(name)?.1;
+            let rows_of = format!("dynamic.{table}.rows");
+            if ck.has(&rows_of) {
+                let n = tables.get(table).map_or(0, |s| s[0]);
+                let mut all = vec![-1i64; n];
+                for (&r, &id) in ck.u64s(&rows_of)?.iter().zip(&ids) {
+                    if let Some(slot) = all.get_mut(r as usize) {
+                        *slot = id;
+                    }
+                }
+                ids = all;
+            }
+            tensors.push(Out::data(format!("dynamic_tables.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
         } else if let Some(prefix) = name.strip_suffix(".ids").filter(|n| n.starts_with("mc.")) {
             // One partition's slots: slot `s` is row `first_row + s` of the table.
             let table = prefix["mc.".len()..].rsplit_once(".part").map_or(&prefix["mc.".len()..], |(t, _)| t);
@@ -76,24 +136,47 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
         }
     }
     for (table, ids) in mc_ids {
-        tensors.push((format!("managed_collisions.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
+        tensors.push(Out::data(format!("managed_collisions.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
     }
-    let metadata = std::collections::HashMap::from([
-        ("recipe".to_string(), ck.manifest.recipe.clone()),
-        ("step".to_string(), ck.manifest.step.to_string()),
-        ("format".to_string(), "trainrec-export-1".to_string()),
-    ]);
-    let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.clone(), t)), &Some(metadata))
-        .map_err(|e| CheckpointError::Corrupt { path: out.to_path_buf(), message: format!("cannot serialize: {e}") })?;
+    // The safetensors header: metadata, then each tensor's type, shape and byte range in the
+    // order written.
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        serde_json::json!({
+            "recipe": ck.manifest.recipe,
+            "step": ck.manifest.step.to_string(),
+            "format": "trainrec-export-1",
+        }),
+    );
+    let mut at = 0u64;
+    for t in &tensors {
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({ "dtype": t.dtype, "shape": t.shape, "data_offsets": [at, at + t.bytes] }),
+        );
+        at += t.bytes;
+    }
+    let mut head = serde_json::to_vec(&header).expect("a header serializes");
+    head.resize(head.len().div_ceil(8) * 8, b' ');
+    let bytes = 8 + head.len() as u64 + at;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| EngineError::Io { path: parent.to_path_buf(), source: e })?;
     }
-    crate::run_dir::write_atomic(out, &bytes)?;
+    crate::run_dir::write_atomic_with(out, |w| {
+        let io = |e: std::io::Error| EngineError::Io { path: out.to_path_buf(), source: e };
+        w.write_all(&(head.len() as u64).to_le_bytes()).map_err(io)?;
+        w.write_all(&head).map_err(io)?;
+        for t in tensors {
+            (t.write)(w)?;
+        }
+        Ok(())
+    })?;
     Ok(ExportSummary {
         checkpoint: dir.to_path_buf(),
         step: ck.manifest.step,
         tables: tables.into_iter().collect(),
         dense,
-        bytes: bytes.len() as u64,
+        bytes,
     })
 }

@@ -143,13 +143,29 @@ impl Progress {
 /// Writes `bytes` to `path` through a temporary file and a rename, so a reader never sees a
 /// partial file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), EngineError> {
+    write_atomic_with(path, |w| w.write_all(bytes).map_err(|e| EngineError::Io { path: path.to_path_buf(), source: e }))
+}
+
+/// [`write_atomic`] of what `write` writes, piece by piece (a file larger than memory): into
+/// `<path>.tmp`, flushed to the disk, then renamed over `path`. On any error the temporary file
+/// is removed and `path` is left as it was.
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> Result<(), EngineError>,
+) -> Result<(), EngineError> {
     let tmp = path.with_extension("tmp");
     let io = |e| EngineError::Io { path: path.to_path_buf(), source: e };
-    std::fs::write(&tmp, bytes).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(|e| {
+    let written = (|| -> Result<(), EngineError> {
+        let mut out = BufWriter::with_capacity(1 << 20, File::create(&tmp).map_err(io)?);
+        write(&mut out)?;
+        let file = out.into_inner().map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    })();
+    if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        EngineError::Io { path: path.to_path_buf(), source: e }
-    })
+    }
+    written
 }
 
 /// Writes a line to the run's metric files (rank 0 only: other ranks have none).

@@ -31,6 +31,19 @@ pub(crate) trait LocalTables {
     fn set_weights(&mut self, name: &str, w: Vec<f32>) -> Result<(), DistError>;
     fn set_state(&mut self, name: &str, s: Vec<f32>) -> Result<(), DistError>;
     fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError>;
+    /// The rows (table-local) a key-value table holds besides its initial ones, when it
+    /// keeps only those.
+    fn sparse(&self, _name: &str) -> Option<Vec<u64>> {
+        None
+    }
+    /// Weights and optimizer state of rows (table-local).
+    fn rows(&self, name: &str, _rows: &[u64]) -> Result<(Vec<f32>, Vec<f32>), DistError> {
+        Err(DistError::Module(format!("table '{name}': this collection reads whole tables only")))
+    }
+    /// Sets a table from a sparse block (rows table-local), every other row initial.
+    fn load_rows(&mut self, name: &str, _rows: &[u64], _w: &[f32], _s: &[f32]) -> Result<(), DistError> {
+        Err(DistError::Module(format!("table '{name}': this collection loads whole tables only")))
+    }
 }
 
 impl LocalTables for Box<dyn TableEngine> {
@@ -51,6 +64,15 @@ impl LocalTables for Box<dyn TableEngine> {
     }
     fn set_steps(&mut self, name: &str, n: u64) -> Result<(), DistError> {
         self.set_step_count(name, n).map_err(module)
+    }
+    fn sparse(&self, name: &str) -> Option<Vec<u64>> {
+        self.sparse_rows(name)
+    }
+    fn rows(&self, name: &str, rows: &[u64]) -> Result<(Vec<f32>, Vec<f32>), DistError> {
+        self.rows_state(name, rows).map_err(module)
+    }
+    fn load_rows(&mut self, name: &str, rows: &[u64], w: &[f32], s: &[f32]) -> Result<(), DistError> {
+        TableEngine::load_rows(self.as_mut(), name, rows, w, s).map_err(module)
     }
 }
 

@@ -147,15 +147,27 @@ impl Parts<'_> {
         let mut out = Vec::new();
         for (ti, (t, s)) in self.tables.iter().zip(self.shardings).enumerate() {
             let shape = [t.rows as usize, t.dim];
-            let entry = |c: &L, name: &str, rows: Range<u64>, cols: Range<usize>, replicated: bool| LocalShard {
-                table: t.name.clone(),
-                table_shape: shape,
-                rows,
-                cols,
-                replicated,
-                weights: c.weights(name).unwrap_or_default(),
-                optimizer_state: c.state(name).unwrap_or_default(),
-                step_count: c.steps(name).unwrap_or(0),
+            let entry = |c: &L, name: &str, rows: Range<u64>, cols: Range<usize>, replicated: bool| {
+                // A key-value shard: only its written rows (as table rows).
+                let sparse = c.sparse(name).and_then(|local| {
+                    let (w, s) = c.rows(name, &local).ok()?;
+                    Some((w, s, local.into_iter().map(|r| r + rows.start).collect::<Vec<u64>>()))
+                });
+                let (weights, optimizer_state, stored) = match sparse {
+                    Some((w, s, stored)) => (w, s, Some(stored)),
+                    None => (c.weights(name).unwrap_or_default(), c.state(name).unwrap_or_default(), None),
+                };
+                LocalShard {
+                    table: t.name.clone(),
+                    table_shape: shape,
+                    rows,
+                    cols,
+                    replicated,
+                    weights,
+                    optimizer_state,
+                    stored,
+                    step_count: c.steps(name).unwrap_or(0),
+                }
             };
             if s.sharding_type == ShardingType::DataParallel {
                 if let Some(dp) = dp {
@@ -186,7 +198,7 @@ impl Parts<'_> {
         let t = &self.tables[ti];
         let s = &self.shardings[ti];
         let width = self.optimizer_of(ti).state_per_row(shard.cols.len());
-        let n_rows = (shard.rows.end - shard.rows.start) as usize;
+        let n_rows = shard.stored.as_ref().map_or((shard.rows.end - shard.rows.start) as usize, Vec::len);
         if shard.weights.len() != n_rows * shard.cols.len() || shard.optimizer_state.len() != n_rows * width {
             return Err(DistError::Module(format!(
                 "table '{}' shard rows {:?} cols {:?}: {} weights and {} optimizer floats, expected {} and {}",
@@ -216,9 +228,23 @@ impl Parts<'_> {
             (local, self.local_names[ti][si].as_deref().expect("a local shard has a local table"))
         };
         let target = target.ok_or_else(|| DistError::Module(format!("table '{}': no local collection", t.name)))?;
-        target.set_weights(lname, shard.weights)?;
-        if width > 0 {
-            target.set_state(lname, shard.optimizer_state)?;
+        match &shard.stored {
+            Some(rows) => {
+                if let Some(r) = rows.iter().find(|r| !shard.rows.contains(r)) {
+                    return Err(DistError::Module(format!(
+                        "table '{}': a block of rows {:?} lists row {r}",
+                        t.name, shard.rows
+                    )));
+                }
+                let local: Vec<u64> = rows.iter().map(|r| r - shard.rows.start).collect();
+                target.load_rows(lname, &local, &shard.weights, &shard.optimizer_state)?;
+            }
+            None => {
+                target.set_weights(lname, shard.weights)?;
+                if width > 0 {
+                    target.set_state(lname, shard.optimizer_state)?;
+                }
+            }
         }
         target.set_steps(lname, shard.step_count)
     }

@@ -226,22 +226,21 @@ fn key_value_shards_start_from_the_unsharded_weights_holding_no_row() {
             configs[0] = cached(configs[0].clone());
             let shardings = configs.iter().map(|t| plan.get(&t.name).cloned().unwrap()).collect();
             let sharded = trainrec_sharding::ShardedEbc::new(configs, shardings, opt.clone(), 9, Arc::new(pg)).unwrap();
-            (sharded.cache_placements(), sharded.local_shards())
+            let whole = sharded.table_weights("t0").unwrap();
+            (sharded.cache_placements(), sharded.local_shards(), whole)
         });
         for r in &results {
-            let (placements, shards) = r.as_ref().unwrap();
+            let (placements, shards, whole) = r.as_ref().unwrap();
             assert!(!placements.is_empty());
             for (name, p) in placements {
                 assert_eq!((p.backing, p.stored), (CacheBacking::KeyValue, 0), "{name}");
             }
+            // The shards read as the unsharded table's initial weights...
+            assert_eq!(whole, &want);
+            // ...and a checkpoint of them holds no row (a sparse block of the rows written).
             for s in shards.iter().filter(|s| s.table == "t0") {
-                let got: Vec<f32> = s.weights.clone();
-                let block: Vec<f32> = s
-                    .rows
-                    .clone()
-                    .flat_map(|r| want[r as usize * 8 + s.cols.start..r as usize * 8 + s.cols.end].to_vec())
-                    .collect();
-                assert_eq!(got, block, "{:?} {:?}", s.rows, s.cols);
+                assert_eq!(s.stored.as_deref(), Some(&[][..]), "{:?} {:?}", s.rows, s.cols);
+                assert!(s.weights.is_empty() && s.optimizer_state.is_empty());
             }
         }
     }

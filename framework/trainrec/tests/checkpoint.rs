@@ -593,3 +593,78 @@ fn a_second_signal_exits_at_once() {
     }
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// The tensors of an exported file, by name, as bytes (metadata aside).
+fn export_tensors(path: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors().into_iter().map(|(n, v)| (n, (v.shape().to_vec(), v.data().to_vec()))).collect()
+}
+
+/// A key-value table's checkpoint holds only the rows written (a sparse block: a table of a
+/// million rows saves the few thousand a short run touches), resumes bit for bit, and exports
+/// to the same file as the same run with the table in memory.
+#[test]
+fn a_key_value_table_checkpoints_only_its_written_rows() {
+    let big = ["tables[1].rows=1000000"];
+    let kv = [big[0], "tables[1].constraints={compute_kernels=[\"key_value\"],cache={load_factor=0.002}}"];
+    let in_memory = out_dir("kv-in-memory");
+    assert_eq!(run_with(1, &in_memory, None, &big).0, Some(0));
+    let through = out_dir("kv-through");
+    let (code, err) = run_with(1, &through, None, &kv);
+    assert_eq!(code, Some(0), "{err}");
+    let model_metrics = |dir: &Path| {
+        let mut m = metrics(dir);
+        for l in &mut m {
+            l["metrics"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("cache/"));
+        }
+        m
+    };
+    assert_eq!(
+        model_metrics(&through),
+        model_metrics(&in_memory),
+        "the key-value table trains like the table in memory"
+    );
+
+    // The checkpoint: a sparse block of the rows written, in a file a fraction of the dense one.
+    let manifest = |dir: &Path| -> serde_json::Value {
+        let text = std::fs::read(dir.join("checkpoints/step-00000060/manifest.json")).unwrap();
+        serde_json::from_slice(&text).unwrap()
+    };
+    let shard = |m: &serde_json::Value| m["shards"].as_array().unwrap().iter().find(|s| s["table"] == "t_C2").cloned();
+    let sparse = shard(&manifest(&through)).unwrap();
+    let rows_tensor = sparse["stored_rows"].as_str().expect("a sparse block").to_string();
+    let stored = manifest(&through)["tensors"][&rows_tensor]["shape"][0].as_u64().unwrap();
+    assert!(stored > 100 && stored <= 60 * 128, "{stored} rows stored");
+    assert!(shard(&manifest(&in_memory)).unwrap().get("stored_rows").is_none());
+    let size =
+        |dir: &Path| std::fs::metadata(dir.join("checkpoints/step-00000060/rank-00000.safetensors")).unwrap().len();
+    assert!(size(&through) * 10 < size(&in_memory), "{} vs {} bytes", size(&through), size(&in_memory));
+
+    // Killed after step 50, resumed from the sparse checkpoint of step 40.
+    let killed = out_dir("kv-killed");
+    assert_ne!(run_with(1, &killed, Some("abort-after-step:50"), &kv).0, Some(0));
+    let (code, err) = resume(&killed, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    // (The cache starts cold on resume: its counters are its own.)
+    assert_eq!(model_metrics(&killed), model_metrics(&through), "the resumed key-value run's metrics differ");
+
+    // Exported, the sparse block reads as the whole table: rows never written hold their
+    // initial weights, exactly as the in-memory run's file has them.
+    let export = |dir: &Path| {
+        let model = dir.join("model.safetensors");
+        let (code, err) =
+            trainrec(&["export".into(), dir.display().to_string(), "--out".into(), model.display().to_string()], None);
+        assert_eq!(code, Some(0), "{err}");
+        export_tensors(&model)
+    };
+    let (a, b) = (export(&through), export(&in_memory));
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &b {
+        assert!(a.get(name) == Some(t), "exported tensor {name} differs");
+    }
+    assert_eq!(a["embedding_bags.t_C2.weight"].0, [1_000_000, 16]);
+    for d in [in_memory, through, killed] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

@@ -85,6 +85,25 @@ impl TensorData {
         Self { dtype: Dtype::I64, shape, bytes: bytemuck::cast_slice(data).to_vec() }
     }
 
+    /// The element type's safetensors name (`F32`, `F64`, `I64`).
+    pub fn dtype_name(&self) -> &'static str {
+        match self.dtype {
+            Dtype::F64 => "F64",
+            Dtype::I64 => "I64",
+            _ => "F32",
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The little-endian bytes.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.bytes
+    }
+
     /// A 1-D tensor of unsigned counters (stored as I64: every count here is below 2^63).
     pub fn u64s(data: &[u64]) -> Self {
         let v: Vec<i64> = data.iter().map(|&x| x as i64).collect();
@@ -151,6 +170,11 @@ pub struct ShardRecord {
     /// The optimizer state's parts per row: `per_column` (one float per column of the block)
     /// or `per_row` (one float for the row).
     pub state_layout: Vec<String>,
+    /// A sparse block (a key-value table's written rows): the tensor of the table rows it
+    /// holds, `[n]` ascending; `weights` and `optimizer_state` then have `n` rows, and every
+    /// other row of `rows` holds its initial weights and zero state. Absent: every row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_rows: Option<String>,
 }
 
 /// What one rank saved, sent to rank 0 for the manifest.
@@ -212,13 +236,21 @@ impl Contents {
             }
             let base =
                 format!("sparse.{}.rows{}-{}.cols{}-{}", s.table, s.rows.start, s.rows.end, s.cols.start, s.cols.end);
-            let n_rows = (s.rows.end - s.rows.start) as usize;
+            let n_rows = s.stored.as_ref().map_or((s.rows.end - s.rows.start) as usize, Vec::len);
+            let stored_rows = s.stored.as_ref().map(|rows| {
+                let name = format!("{base}.stored_rows");
+                let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+                self.tensors.push((name.clone(), TensorData::i64(vec![rows.len()], &rows)));
+                name
+            });
             let weights = format!("{base}.weight");
             self.tensors.push((weights.clone(), TensorData::f32(vec![n_rows, s.cols.len()], &s.weights)));
             let layout = layout_of(&s.table);
-            let optimizer_state = (!s.optimizer_state.is_empty()).then(|| {
+            let width: usize = layout.iter().map(|p| p.len(s.cols.len())).sum();
+            // A block with state per row has its state tensor, also with no row (a sparse
+            // block of a table nothing was written to yet).
+            let optimizer_state = (!s.optimizer_state.is_empty() || (width > 0 && n_rows == 0)).then(|| {
                 let name = format!("{base}.optimizer_state");
-                let width = s.optimizer_state.len() / n_rows.max(1);
                 self.tensors.push((name.clone(), TensorData::f32(vec![n_rows, width], &s.optimizer_state)));
                 name
             });
@@ -232,12 +264,13 @@ impl Contents {
                 weights,
                 optimizer_state,
                 state_layout: layout.iter().map(|p| part_name(*p).to_string()).collect(),
+                stored_rows,
             });
         }
     }
 }
 
-fn part_name(p: StatePart) -> &'static str {
+pub(super) fn part_name(p: StatePart) -> &'static str {
     match p {
         StatePart::PerColumn => "per_column",
         StatePart::PerRow => "per_row",
@@ -547,6 +580,10 @@ pub struct Checkpoint {
     /// The manifest.
     pub manifest: Manifest,
     files: std::sync::Mutex<BTreeMap<String, std::sync::Arc<memmap2::Mmap>>>,
+    /// The stored-rows tensors of sparse blocks read so far.
+    pub(super) stored: std::sync::Mutex<BTreeMap<String, std::sync::Arc<Vec<u64>>>>,
+    /// The seed and table order of the saved recipe (initial weights), once read.
+    pub(super) init: std::sync::OnceLock<Result<(u64, Vec<String>), String>>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -573,7 +610,13 @@ impl Checkpoint {
                 ),
             });
         }
-        Ok(Self { dir: dir.to_path_buf(), manifest, files: Default::default() })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            files: Default::default(),
+            stored: Default::default(),
+            init: Default::default(),
+        })
     }
 
     /// The checkpoint's directory.
@@ -628,6 +671,16 @@ impl Checkpoint {
 
     /// Tensor `name`'s shape and little-endian bytes, checked for its type.
     fn raw(&self, name: &str, dtype: Dtype) -> Result<(Vec<usize>, Vec<u8>), CheckpointError> {
+        self.raw_rows(name, dtype, None)
+    }
+
+    /// [`Self::raw`], only rows `rows` (of the first dimension) when given.
+    fn raw_rows(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        rows: Option<Range<usize>>,
+    ) -> Result<(Vec<usize>, Vec<u8>), CheckpointError> {
         let record = self.manifest.tensors.get(name).ok_or_else(|| CheckpointError::Incompatible {
             dir: self.dir.clone(),
             message: format!("it has no tensor {name}"),
@@ -647,7 +700,23 @@ impl Checkpoint {
                 message: format!("tensor {name} is {:?}, expected {dtype:?}", view.dtype()),
             });
         }
-        Ok((view.shape().to_vec(), view.data().to_vec()))
+        let shape = view.shape().to_vec();
+        let data = view.data();
+        let Some(rows) = rows else { return Ok((shape, data.to_vec())) };
+        let row_bytes = if shape.is_empty() { 0 } else { data.len() / shape[0].max(1) };
+        if shape.is_empty() || rows.end > shape[0] {
+            return Err(CheckpointError::Corrupt {
+                path,
+                message: format!("tensor {name} of shape {shape:?} has no rows {rows:?}"),
+            });
+        }
+        Ok((shape, data[rows.start * row_bytes..rows.end * row_bytes].to_vec()))
+    }
+
+    /// Rows `rows` of 2-D float tensor `name`, with the tensor's shape.
+    pub(super) fn f32_rows(&self, name: &str, rows: Range<usize>) -> Result<(Vec<usize>, Vec<f32>), CheckpointError> {
+        let (shape, bytes) = self.raw_rows(name, Dtype::F32, Some(rows))?;
+        Ok((shape, bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()))
     }
 
     /// A float tensor with its shape.
@@ -673,142 +742,8 @@ impl Checkpoint {
         Ok(self.i64(name)?.1.into_iter().map(|x| x as u64).collect())
     }
 
-    fn incompatible(&self, message: String) -> CheckpointError {
+    pub(super) fn incompatible(&self, message: String) -> CheckpointError {
         CheckpointError::Incompatible { dir: self.dir.clone(), message }
-    }
-
-    /// Block `rows` x `cols` of table `table` (a shard of the job loading the checkpoint),
-    /// with the optimizer state laid out as `layout`, assembled from the saved blocks that
-    /// overlap it:
-    /// - weights and per-column state parts are copied element by element;
-    /// - a per-row part (row-wise Adagrad's accumulator: the mean over the block's columns of
-    ///   the squared gradients) is the column-weighted mean of the saved blocks' values, which
-    ///   is exact when the new block is the saved one or a union of saved blocks, and the
-    ///   saved block's value when the new block splits it;
-    /// - the step count is the largest of the overlapping blocks'.
-    ///
-    /// Every element of the block must be covered, else the checkpoint does not fit.
-    pub fn assemble_shard(
-        &self,
-        table: &str,
-        table_shape: [usize; 2],
-        rows: Range<u64>,
-        cols: Range<usize>,
-        layout: &[StatePart],
-        replicated: bool,
-    ) -> Result<LocalShard, CheckpointError> {
-        let n_rows = (rows.end - rows.start) as usize;
-        let n_cols = cols.len();
-        let width = |c: usize| -> usize { layout.iter().map(|p| p.len(c)).sum() };
-        let want_layout: Vec<String> = layout.iter().map(|p| part_name(*p).to_string()).collect();
-        let mut weights = vec![0f32; n_rows * n_cols];
-        let mut state = vec![0f32; n_rows * width(n_cols)];
-        // Per row and per-row part: the column-weighted sum of values and the weight.
-        let per_row_parts = layout.iter().filter(|p| **p == StatePart::PerRow).count();
-        let mut row_sums = vec![0f64; n_rows * per_row_parts];
-        let mut row_weights = vec![0usize; n_rows];
-        let mut covered = vec![false; n_rows * n_cols];
-        let mut step_count = 0u64;
-        let mut found = false;
-        for s in self.manifest.shards.iter().filter(|s| s.table == table) {
-            if s.table_shape != table_shape {
-                return Err(self.incompatible(format!(
-                    "table {table} is {:?} in the checkpoint and {table_shape:?} in the job",
-                    s.table_shape
-                )));
-            }
-            let r0 = rows.start.max(s.rows.start);
-            let r1 = rows.end.min(s.rows.end);
-            let c0 = cols.start.max(s.cols.start);
-            let c1 = cols.end.min(s.cols.end);
-            if r0 >= r1 || c0 >= c1 {
-                continue;
-            }
-            found = true;
-            step_count = step_count.max(s.step_count);
-            let s_cols = s.cols.len();
-            let (wshape, w) = self.f32(&s.weights)?;
-            if wshape != [(s.rows.end - s.rows.start) as usize, s_cols] {
-                return Err(self.incompatible(format!("tensor {} has shape {wshape:?}", s.weights)));
-            }
-            let saved_state = match (&s.optimizer_state, layout.is_empty()) {
-                (_, true) => None,
-                (None, false) => {
-                    return Err(self.incompatible(format!(
-                        "table {table} was saved without optimizer state; the job's optimizer keeps {want_layout:?}"
-                    )));
-                }
-                (Some(name), false) => {
-                    if s.state_layout != want_layout {
-                        return Err(self.incompatible(format!(
-                            "table {table}'s optimizer state is {:?} in the checkpoint and {want_layout:?} in the job: the sparse optimizer changed",
-                            s.state_layout
-                        )));
-                    }
-                    let (sshape, st) = self.f32(name)?;
-                    if sshape != [(s.rows.end - s.rows.start) as usize, width(s_cols)] {
-                        return Err(self.incompatible(format!("tensor {name} has shape {sshape:?}")));
-                    }
-                    Some(st)
-                }
-            };
-            for r in r0..r1 {
-                let (src_r, dst_r) = ((r - s.rows.start) as usize, (r - rows.start) as usize);
-                for c in c0..c1 {
-                    let (sc, dc) = (c - s.cols.start, c - cols.start);
-                    weights[dst_r * n_cols + dc] = w[src_r * s_cols + sc];
-                    covered[dst_r * n_cols + dc] = true;
-                }
-                let Some(st) = &saved_state else { continue };
-                let (mut src_at, mut dst_at) = (src_r * width(s_cols), dst_r * width(n_cols));
-                let mut pr = 0;
-                let overlap = c1 - c0;
-                for p in layout {
-                    match p {
-                        StatePart::PerColumn => {
-                            for c in c0..c1 {
-                                state[dst_at + c - cols.start] = st[src_at + c - s.cols.start];
-                            }
-                        }
-                        StatePart::PerRow => {
-                            row_sums[dst_r * per_row_parts + pr] += st[src_at] as f64 * overlap as f64;
-                            pr += 1;
-                        }
-                    }
-                    src_at += p.len(s_cols);
-                    dst_at += p.len(n_cols);
-                }
-                row_weights[dst_r] += overlap;
-            }
-        }
-        if !found || covered.iter().any(|c| !c) {
-            return Err(
-                self.incompatible(format!("its blocks of table {table} do not cover rows {rows:?} columns {cols:?}"))
-            );
-        }
-        if per_row_parts > 0 {
-            for r in 0..n_rows {
-                let mut at = r * width(n_cols);
-                let mut pr = 0;
-                for p in layout {
-                    if *p == StatePart::PerRow {
-                        state[at] = (row_sums[r * per_row_parts + pr] / row_weights[r].max(1) as f64) as f32;
-                        pr += 1;
-                    }
-                    at += p.len(n_cols);
-                }
-            }
-        }
-        Ok(LocalShard {
-            table: table.to_string(),
-            table_shape,
-            rows,
-            cols,
-            replicated,
-            weights,
-            optimizer_state: state,
-            step_count,
-        })
     }
 }
 
@@ -872,6 +807,7 @@ fn diff(path: &str, a: Option<&toml::Value>, b: Option<&toml::Value>, allowed: &
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::Block;
 
     fn shard(rows: Range<u64>, cols: Range<usize>, dim: usize, f: impl Fn(u64, usize) -> f32) -> LocalShard {
         let mut weights = Vec::new();
@@ -896,7 +832,12 @@ mod tests {
             weights,
             optimizer_state: state,
             step_count: 7,
+            stored: None,
         }
+    }
+
+    fn want(rows: Range<u64>, cols: Range<usize>) -> Block {
+        Block { table: "t".into(), table_shape: [6, 4], rows, cols, replicated: false, sparse: false }
     }
 
     fn layout() -> Vec<StatePart> {
@@ -908,12 +849,16 @@ mod tests {
     }
 
     fn save_blocks(root: &Path, blocks: Vec<LocalShard>) -> PathBuf {
+        save_blocks_of(root, blocks, "x = 1")
+    }
+
+    fn save_blocks_of(root: &Path, blocks: Vec<LocalShard>, recipe: &str) -> PathBuf {
         let mut contents = Contents { tensors: Vec::new(), shards: Vec::new() };
         contents.add_shards(blocks, |_| layout(), true);
         contents.tensors.push(("extra.counts".into(), TensorData::u64s(&[1, 2, 3])));
         let header = Header {
             step: 5,
-            recipe: "x = 1".into(),
+            recipe: recipe.into(),
             base_dir: ".".into(),
             plan: serde_json::Value::Null,
             state: serde_json::json!({"a": 1}),
@@ -937,12 +882,12 @@ mod tests {
         assert_eq!(ck.u64s("extra.counts").unwrap(), [1, 2, 3]);
         // The same block comes back exactly.
         for s in &saved {
-            let got = ck.assemble_shard("t", [6, 4], s.rows.clone(), s.cols.clone(), &layout(), false).unwrap();
+            let got = ck.assemble_shard(&want(s.rows.clone(), s.cols.clone()), &layout()).unwrap();
             assert_eq!(&got, s);
         }
         // A block across all four: weights and per-column state copied; the per-row part is
         // the column-weighted mean of the two column blocks' (rows r: 10r + 0 and 10r + 2).
-        let got = ck.assemble_shard("t", [6, 4], 1..5, 1..4, &layout(), false).unwrap();
+        let got = ck.assemble_shard(&want(1..5, 1..4), &layout()).unwrap();
         let (n_cols, width) = (3, 4);
         for (i, r) in (1..5u64).enumerate() {
             for (j, c) in (1..4usize).enumerate() {
@@ -954,11 +899,74 @@ mod tests {
         }
         assert_eq!(got.step_count, 7);
         // A block outside the table is refused, naming the table.
-        let err = ck.assemble_shard("t", [6, 4], 5..7, 0..4, &layout(), false).unwrap_err().to_string();
+        let err = ck.assemble_shard(&want(5..7, 0..4), &layout()).unwrap_err().to_string();
         assert!(err.contains("do not cover rows 5..7"), "{err}");
         // Another optimizer's layout is refused.
-        let err = ck.assemble_shard("t", [6, 4], 0..3, 0..2, &[StatePart::PerRow], false).unwrap_err().to_string();
+        let err = ck.assemble_shard(&want(0..3, 0..2), &[StatePart::PerRow]).unwrap_err().to_string();
         assert!(err.contains("sparse optimizer changed"), "{err}");
+    }
+
+    /// Keeps only rows `keep` of a dense block (a key-value table's sparse block).
+    fn sparse(s: LocalShard, keep: &[u64]) -> LocalShard {
+        let n = (s.rows.end - s.rows.start) as usize;
+        let (w, st) = (s.weights.len() / n, s.optimizer_state.len() / n);
+        let pick = |v: &[f32], width: usize| -> Vec<f32> {
+            keep.iter().flat_map(|&r| v[(r - s.rows.start) as usize * width..][..width].to_vec()).collect()
+        };
+        LocalShard {
+            weights: pick(&s.weights, w),
+            optimizer_state: pick(&s.optimizer_state, st),
+            stored: Some(keep.to_vec()),
+            ..s
+        }
+    }
+
+    #[test]
+    fn sparse_blocks_reassemble_with_initial_weights_for_rows_not_written() {
+        let dir = tempdir();
+        // Two column blocks of a key-value table that hold different rows.
+        let saved = vec![sparse(shard(0..6, 0..2, 4, value), &[1, 4]), sparse(shard(0..6, 2..4, 4, value), &[4, 5])];
+        let path = save_blocks_of(
+            &dir,
+            saved.clone(),
+            "[run]\nseed = 3\n[[tables]]\nname = \"u\"\n[[tables]]\nname = \"t\"\n",
+        );
+        let ck = Checkpoint::open(&path).unwrap();
+        let init = |r: u64, c: usize| trainrec_embedding::initial_weights(3, 1, 6, 4, r..r + 1, c..c + 1)[0];
+        // Each saved block comes back as it was.
+        for s in &saved {
+            let got = ck.assemble_shard(&Block { sparse: true, ..want(s.rows.clone(), s.cols.clone()) }, &layout());
+            assert_eq!(&got.unwrap(), s);
+        }
+        // Dense: a cell a block holds has its value; any other its initial weight and zero
+        // state; the per-row part is the column-weighted mean (a block without the row: 0).
+        let dense = ck.assemble_shard(&want(0..6, 0..4), &layout()).unwrap();
+        let held = |r: u64, c: usize| (c < 2 && [1, 4].contains(&r)) || (c >= 2 && [4, 5].contains(&r));
+        for r in 0..6u64 {
+            for c in 0..4 {
+                let (w, st) = (dense.weights[r as usize * 4 + c], dense.optimizer_state[r as usize * 5 + 1 + c]);
+                if held(r, c) {
+                    assert_eq!((w, st), (value(r, c), -value(r, c)), "row {r} col {c}");
+                } else {
+                    assert_eq!((w, st), (init(r, c), 0.0), "row {r} col {c}");
+                }
+            }
+            let want_row = [0usize, 2].iter().filter(|&&c0| held(r, c0)).map(|&c0| (10 * r + c0 as u64) as f64 * 2.0);
+            let want_row = want_row.sum::<f64>() / 4.0;
+            assert!((dense.optimizer_state[r as usize * 5] as f64 - want_row).abs() < 1e-5, "row {r}");
+        }
+        assert_eq!(dense.stored, None);
+        // Sparse: the rows any block holds, with the dense block's values.
+        let got = ck.assemble_shard(&Block { sparse: true, ..want(0..6, 0..4) }, &layout()).unwrap();
+        assert_eq!(got.stored.as_deref(), Some(&[1u64, 4, 5][..]));
+        for (i, r) in [1usize, 4, 5].into_iter().enumerate() {
+            assert_eq!(got.weights[i * 4..][..4], dense.weights[r * 4..][..4]);
+            assert_eq!(got.optimizer_state[i * 5..][..5], dense.optimizer_state[r * 5..][..5]);
+        }
+        // A part of the rows, split across the blocks differently.
+        let part = ck.assemble_shard(&Block { sparse: true, ..want(2..5, 1..3) }, &layout()).unwrap();
+        assert_eq!(part.stored.as_deref(), Some(&[4u64][..]));
+        assert_eq!(part.weights, [value(4, 1), value(4, 2)]);
     }
 
     #[test]
@@ -981,7 +989,7 @@ mod tests {
         bytes[last] ^= 0x40;
         std::fs::write(&file, &bytes).unwrap();
         let ck = Checkpoint::open(&path).unwrap();
-        let err = ck.assemble_shard("t", [6, 4], 0..6, 0..4, &layout(), false).unwrap_err().to_string();
+        let err = ck.assemble_shard(&want(0..6, 0..4), &layout()).unwrap_err().to_string();
         assert!(err.contains("rank-00000.safetensors") && err.contains("corrupted"), "{err}");
         // Truncation too.
         std::fs::write(&file, &bytes[..bytes.len() - 8]).unwrap();

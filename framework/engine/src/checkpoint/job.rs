@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use trainrec_embedding::EmbeddingBagCollection;
+use trainrec_embedding::dynamic::NOT_ADMITTED;
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -134,7 +135,9 @@ impl Job {
         let pg = self.sync.as_ref().map(|s| s.pg.as_ref());
         let lead = pg.is_none_or(|g| g.rank() == 0);
         let mut contents = Contents { tensors: Vec::new(), shards: Vec::new() };
-        contents.add_shards(self.sparse.local_shards(), |t| self.state_layout(t), lead);
+        let mut shards = self.sparse.local_shards();
+        self.mc.dynamic.live_rows_only(&mut shards);
+        contents.add_shards(shards, |t| self.state_layout(t), lead);
         // Managed collisions: every part once, saved by the rank that runs it (the lead for
         // replicated tables).
         let mc_states = self.mc.states(lead);
@@ -167,6 +170,9 @@ impl Job {
         if lead {
             for (table, s) in self.mc.dynamic.states() {
                 let p = format!("dynamic.{table}");
+                // The live rows alone, with their ids, counts and last steps.
+                let rows: Vec<u64> = s.rows.iter().map(|&r| u64::from(r)).collect();
+                contents.tensors.push((format!("{p}.rows"), TensorData::u64s(&rows)));
                 contents.tensors.push((format!("{p}.ids"), TensorData::i64(vec![s.ids.len()], &s.ids)));
                 contents.tensors.push((format!("{p}.counts"), TensorData::u64s(&s.counts)));
                 contents.tensors.push((format!("{p}.last"), TensorData::u64s(&s.last)));
@@ -259,7 +265,7 @@ impl Job {
         let mut shards = Vec::new();
         for s in self.sparse.local_shards() {
             let layout = self.state_layout(&s.table);
-            shards.push(ck.assemble_shard(&s.table, s.table_shape, s.rows, s.cols, &layout, s.replicated)?);
+            shards.push(ck.assemble_shard(&super::Block::of(&s), &layout)?);
         }
         self.sparse.load_local_shards(shards)?;
 
@@ -336,11 +342,23 @@ impl Job {
                 .find(|t| t.name == name)
                 .map_or(0, |t| t.table.config().sketch_width * t.table.config().sketch_depth);
             sketch.truncate(counters);
+            let (mut ids, mut counts, mut last) = (ck.i64(&format!("{p}.ids"))?.1, u64s("counts")?, u64s("last")?);
+            let rows: Vec<u32> = if ck.has(&format!("{p}.rows")) {
+                u64s("rows")?.into_iter().map(|r| r as u32).collect()
+            } else {
+                // A checkpoint of every row (free ones -1), as trainrec saved them before.
+                let live: Vec<usize> = (0..ids.len()).filter(|&r| ids[r] != NOT_ADMITTED).collect();
+                ids = live.iter().map(|&r| ids[r]).collect();
+                counts = live.iter().filter_map(|&r| counts.get(r).copied()).collect();
+                last = live.iter().filter_map(|&r| last.get(r).copied()).collect();
+                live.iter().map(|&r| r as u32).collect()
+            };
             let state = trainrec_embedding::dynamic::DynamicState {
                 step,
-                ids: ck.i64(&format!("{p}.ids"))?.1,
-                counts: u64s("counts")?,
-                last: u64s("last")?,
+                rows,
+                ids,
+                counts,
+                last,
                 sketch,
                 sketch_added,
                 stats: trainrec_embedding::dynamic::DynamicStats {

@@ -13,9 +13,11 @@
 //!
 //! [`format`] is the format; `job` is what a [`crate::Job`] saves in it and how it resumes.
 
+mod assemble;
 mod format;
 mod job;
 
+pub use assemble::Block;
 pub use format::{
     Checkpoint, CheckpointError, Contents, EVAL_KEYS, FORMAT, FileRecord, Header, MANIFEST, Manifest, RESUMABLE_KEYS,
     ShardRecord, TensorData, TensorRecord, VERSION, changed_keys, changed_keys_outside, latest, save, step_dir_name,
