@@ -376,6 +376,48 @@ fn dynamic_tables_across_ranks_train_like_one_rank() {
 }
 
 #[test]
+fn dynamic_tables_admitted_on_their_owner_ranks_train_like_one_rank() {
+    // `partitions = world` id maps over row-wise shards in the same blocks: each rank admits,
+    // counts and evicts the ids hashed to its block (owner-rank admission); one rank runs
+    // every map. Saved on the owners, the maps resume on another world size (every rank then
+    // runs every map).
+    let out = |what: &str| {
+        let d = std::env::temp_dir().join(format!("trainrec-dist-{}-dynowner-{what}", std::process::id()));
+        format!("run.output_dir=\"{}\"", d.display())
+    };
+    for world in [2, 3] {
+        let dynamic =
+            format!("tables[0].dynamic={{admit_after=2,ttl_steps=3,eviction=\"lfu\",id_space=200,partitions={world}}}");
+        let one = train_with(1, "row_wise", false, &[&dynamic, &out(&format!("1-{world}"))]);
+        let single = train_with(
+            1,
+            "row_wise",
+            false,
+            &[
+                "tables[0].dynamic={admit_after=2,ttl_steps=3,eviction=\"lfu\",id_space=200}",
+                &out(&format!("s-{world}")),
+            ],
+        );
+        assert_ne!(one.tables[0], single.tables[0], "{world} maps admit other ids than one");
+        let many = train_with(world, "row_wise", false, &[&dynamic, &out(&format!("{world}"))]);
+        assert_trains_alike(&format!("{world} owner-admitted maps on {world} ranks"), &many, &one);
+        let replicated = train_with(world, "column_wise", false, &[&dynamic, &out(&format!("cw-{world}"))]);
+        assert_trains_alike(&format!("{world} maps run on every rank"), &replicated, &one);
+    }
+    let dynamic = "tables[0].dynamic={admit_after=2,ttl_steps=3,eviction=\"lfu\",id_space=200,partitions=2}";
+    let dir = std::env::temp_dir().join(format!("trainrec-dist-ck-dynowner-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    train_path(2, &checkpoint_recipe(2, "row_wise", 6, Some(6), &dir), &[dynamic], None);
+    let ck = trainrec::engine::checkpoint::latest(&dir.join("checkpoints")).unwrap().expect("a checkpoint");
+    let through = train_path(2, &checkpoint_recipe(2, "row_wise", 10, None, &dir.join("through")), &[dynamic], None);
+    for to in [1, 2, 3] {
+        let resumed = train_path(to, &checkpoint_recipe(to, "row_wise", 10, None, &dir), &[dynamic], Some(&ck));
+        assert_trains_alike(&format!("owner-admitted maps saved on 2 ranks resumed on {to}"), &resumed, &through);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn managed_collisions_across_ranks_train_like_one_rank() {
     for sharding in ["row_wise", "column_wise", "data_parallel"] {
         let plain = train(1, sharding, false);

@@ -97,6 +97,9 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
     }
     let mut dense = 0;
     let mut mc_ids: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    // Per dynamic table: each partition's (index, live rows, ids).
+    type Maps = Vec<(usize, Vec<u64>, Vec<i64>)>;
+    let mut dynamic_ids: BTreeMap<String, Maps> = BTreeMap::new();
     for (name, t) in &ck.manifest.tensors {
         let shape = t.shape.clone();
         if name.starts_with("dense.") {
@@ -106,22 +109,18 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
             };
             tensors.push(Out::data(name.clone(), data));
             dense += 1;
-        } else if let Some(table) = name.strip_prefix("dynamic.").and_then(|n| n.strip_suffix(".ids")) {
-            // A dynamic table's map: the raw id each row holds (-1: free), from the live rows'
-            // (or, in an older checkpoint, every row's).
-            let mut ids = ck.i64(name)?.1;
-            let rows_of = format!("dynamic.{table}.rows");
-            if ck.has(&rows_of) {
-                let n = tables.get(table).map_or(0, |s| s[0]);
-                let mut all = vec![-1i64; n];
-                for (&r, &id) in ck.u64s(&rows_of)?.iter().zip(&ids) {
-                    if let Some(slot) = all.get_mut(r as usize) {
-                        *slot = id;
-                    }
-                }
-                ids = all;
-            }
-            tensors.push(Out::data(format!("dynamic_tables.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
+        } else if let Some(prefix) = name.strip_suffix(".ids").filter(|n| n.starts_with("dynamic.")) {
+            // A dynamic table's map (or one partition's): the raw id each live row holds, rows
+            // numbered within the partition's block (an older checkpoint: every row, -1 free).
+            let rest = &prefix["dynamic.".len()..];
+            let (table, part) = match rest.rsplit_once(".part").filter(|(_, n)| n.parse::<usize>().is_ok()) {
+                Some((t, n)) => (t, n.parse::<usize>().unwrap_or(0)),
+                None => (rest, 0),
+            };
+            let ids = ck.i64(name)?.1;
+            let rows_of = format!("{prefix}.rows");
+            let rows: Vec<u64> = if ck.has(&rows_of) { ck.u64s(&rows_of)? } else { (0..ids.len() as u64).collect() };
+            dynamic_ids.entry(table.to_string()).or_default().push((part, rows, ids));
         } else if let Some(prefix) = name.strip_suffix(".ids").filter(|n| n.starts_with("mc.")) {
             // One partition's slots: slot `s` is row `first_row + s` of the table.
             let table = prefix["mc.".len()..].rsplit_once(".part").map_or(&prefix["mc.".len()..], |(t, _)| t);
@@ -134,6 +133,20 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
                 }
             }
         }
+    }
+    for (table, parts) in dynamic_ids {
+        // Partition `p`'s rows are the table's row-wise block `p` (`ceil(rows / partitions)`).
+        let n = tables.get(&table).map_or(0, |s| s[0]);
+        let block = (n as u64).div_ceil(parts.len().max(1) as u64);
+        let mut all = vec![-1i64; n];
+        for (part, rows, ids) in parts {
+            for (&r, &id) in rows.iter().zip(&ids) {
+                if let Some(slot) = all.get_mut((part as u64 * block + r) as usize) {
+                    *slot = id;
+                }
+            }
+        }
+        tensors.push(Out::data(format!("dynamic_tables.{table}.ids"), TensorData::i64(vec![all.len()], &all)));
     }
     for (table, ids) in mc_ids {
         tensors.push(Out::data(format!("managed_collisions.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));

@@ -445,8 +445,9 @@ impl Job {
         self.mc.stats()
     }
 
-    /// Each dynamic table's counters (the same on every rank: every rank counts the global
-    /// batch).
+    /// Each dynamic table's counters over the id maps this rank runs (every map, the same on
+    /// every rank, unless the table is admitted on its owning ranks; the metrics' `dynamic/*`
+    /// values sum every rank's).
     pub fn dynamic_stats(&self) -> BTreeMap<String, trainrec_embedding::dynamic::DynamicStats> {
         self.mc.dynamic.stats()
     }
@@ -618,8 +619,9 @@ impl Job {
                     }
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
-                    values.extend(self.mc.metric_values(self.sync.as_ref().map(|s| s.pg.as_ref()))?);
-                    values.extend(self.mc.dynamic.metric_values());
+                    let pg = self.sync.as_ref().map(|s| s.pg.as_ref());
+                    values.extend(self.mc.metric_values(pg)?);
+                    values.extend(self.mc.dynamic.metric_values(pg)?);
                     values.extend(self.cache_values_of_all_ranks()?);
                     values.extend(self.lr_values());
                     train_values.extend(values);

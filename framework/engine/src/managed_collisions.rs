@@ -278,7 +278,7 @@ impl McTables {
                 t.owner = false;
                 t.parts.iter_mut().for_each(|p| p.here = true);
             }
-            return Ok(());
+            return self.dynamic.attach(None, plan);
         };
         let me = s.group().rank();
         for t in &mut self.tables {
@@ -294,7 +294,7 @@ impl McTables {
             s.route_raw_ids(&t.name, t.owner.then_some(t.raw_block))?;
             tracing::debug!(table = %t.name, partitions = t.parts.len(), owner_remap = t.owner, "managed collisions");
         }
-        Ok(())
+        self.dynamic.attach(Some(s), plan)
     }
 
     /// Whether the job has none.
@@ -304,7 +304,7 @@ impl McTables {
 
     /// Whether some table is remapped on its owning ranks (after the input dist).
     pub(crate) fn has_owner_remap(&self) -> bool {
-        self.tables.iter().any(|t| t.owner)
+        self.tables.iter().any(|t| t.owner) || self.dynamic.has_owner()
     }
 
     /// The positions in `kjt` of each table's features, after checking their raw ids.
@@ -391,7 +391,9 @@ impl McTables {
             return Ok(None);
         }
         let mut staged = s.input_dist(kjt)?;
-        for (table, rows, key) in self.train_owned(s, &mut staged) {
+        let mut resets = self.train_owned(s, &mut staged);
+        resets.extend(self.dynamic.train_owned(s, &mut staged)?);
+        for (table, rows, key) in resets {
             s.reset_rows(&table, &rows, key)?;
         }
         Ok(Some(BatchContext::with_state(staged)))
@@ -410,6 +412,7 @@ impl McTables {
         }
         let mut staged = s.input_dist(kjt)?;
         self.eval_owned(s, &mut staged);
+        self.dynamic.eval_owned(s, &mut staged)?;
         Ok(Some(BatchContext::with_state(staged)))
     }
 
@@ -514,7 +517,7 @@ impl McTables {
     /// over every rank's parts. Collective when some table is remapped on its owners.
     pub(crate) fn metric_values(&self, pg: Option<&dyn ProcessGroup>) -> Result<BTreeMap<String, f64>, EngineError> {
         let mut stats = self.stats();
-        if let (Some(pg), true) = (pg, self.has_owner_remap()) {
+        if let (Some(pg), true) = (pg, self.tables.iter().any(|t| t.owner)) {
             let owned: Vec<&McTable> = self.tables.iter().filter(|t| t.owner).collect();
             let mut counts: Vec<u64> = owned
                 .iter()

@@ -388,6 +388,15 @@ pub struct DynamicSection {
     /// Default: 2^62.
     #[serde(default = "defaults::id_space")]
     pub id_space: u64,
+    /// Independent id maps the table is split into: raw id `i` belongs to map
+    /// `hash(i) % partitions`, which owns the table's row block of the same index (the
+    /// row-wise blocks, `ceil(rows / partitions)` rows each) and does its own admission and
+    /// eviction. When the table is sharded row-wise in those blocks (`partitions =
+    /// topology.world_size` with a `row_wise` table), each rank runs the maps of its own
+    /// block on the ids the input dist routes to it (owner-rank admission: no rank counts
+    /// another's ids); otherwise every rank runs every map over the global batch. Default: 1.
+    #[serde(default = "defaults::dynamic_partitions")]
+    pub partitions: u32,
 }
 
 /// Which row of a full dynamic table makes room for a new id.
@@ -683,6 +692,10 @@ pub mod defaults {
     /// Default `tables[].dynamic.sketch_depth`.
     pub fn sketch_depth() -> usize {
         4
+    }
+    /// Default `tables[].dynamic.partitions`: 1.
+    pub fn dynamic_partitions() -> u32 {
+        1
     }
     /// Default `tables[].dynamic.id_space`: 2^62.
     pub fn id_space() -> u64 {

@@ -224,6 +224,22 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         if d.id_space == 0 || d.id_space > 1 << 63 {
             out.push(Diagnostic::new(dp.key("id_space"), "id_space must be in 1..=2^63"));
         }
+        let parts = u64::from(d.partitions);
+        if parts == 0 || (parts - 1) * table.rows.div_ceil(parts.max(1)) >= table.rows {
+            out.push(
+                Diagnostic::new(
+                    dp.key("partitions"),
+                    format!(
+                        "partitions = {} must be 1 or more, each with rows of its own: {} rows in blocks of {} leave \
+                         the last one without any",
+                        d.partitions,
+                        table.rows,
+                        table.rows.div_ceil(parts.max(1))
+                    ),
+                )
+                .with_help("use fewer partitions, or more rows"),
+            );
+        }
         out.extend(own_features(&tables.index(t), table, &used_by, "dynamic"));
     }
     // Managed collisions: settings in range, and the table's features its own (their raw ids

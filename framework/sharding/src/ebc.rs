@@ -83,9 +83,9 @@ pub struct ShardedEbc {
     pub(crate) partials: Vec<Partial>,
     /// `held[d]`: the partials rank `d` holds shards of, with its routes of each.
     pub(crate) held: Vec<Vec<(usize, Vec<usize>)>>,
-    /// Per table: `Some(block)` when its ids are routed by raw id (raw id `i` to shard
-    /// `i / block`, unchanged) for the shards to remap them ([`Self::route_raw_ids`]).
-    pub(crate) raw_blocks: Vec<Option<u64>>,
+    /// Per table: how its ids are routed by raw id for the shards to remap them, when they
+    /// are ([`Self::route_raw_ids`], [`Self::route_hashed_ids`]).
+    pub(crate) raw_blocks: Vec<Option<crate::layout::RawRoute>>,
 }
 
 impl ShardedEbc {

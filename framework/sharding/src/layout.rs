@@ -246,3 +246,36 @@ pub(crate) fn two_stage(
     }
     out
 }
+
+/// How a table's ids are routed by raw id (`ShardedEbc::route_raw_ids`,
+/// `ShardedEbc::route_hashed_ids`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RawRoute {
+    /// Raw id `i` to shard `i / block`.
+    Block(u64),
+    /// Raw id `i` to shard [`hashed_part`]`(i, shards)`.
+    Hash,
+}
+
+impl RawRoute {
+    /// The shard (of `shards`) of raw id `id`.
+    #[inline]
+    pub(crate) fn part(self, id: u64, shards: usize) -> usize {
+        match self {
+            Self::Block(b) => (id / b) as usize,
+            Self::Hash => hashed_part(id as i64, shards),
+        }
+    }
+}
+
+/// The part (of `parts`) that owns raw id `id` when ids are spread by hash: a 64-bit mix of
+/// the id (splitmix64's finaliser) modulo `parts`. Ids of any range, Zipf ranks included,
+/// spread evenly.
+#[inline]
+pub fn hashed_part(id: i64, parts: usize) -> usize {
+    let mut z = (id as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z % parts.max(1) as u64) as usize
+}

@@ -29,6 +29,7 @@ mod two_stage;
 
 pub use ebc::ShardedEbc;
 pub use ec::{EcContext, ShardedEc};
+pub use layout::hashed_part;
 pub use modules::{Module, ShardedModule, ShardingPlan, shard_ebc, shard_ec, shard_modules};
 pub use state::LocalShard;
 pub use step::{DistContext, InputDist, StepTimes};

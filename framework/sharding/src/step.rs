@@ -9,7 +9,7 @@ use trainrec_planner::ShardingType;
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::ebc::ShardedEbc;
-use crate::layout::{Route, resolve_inputs};
+use crate::layout::{RawRoute, Route, resolve_inputs};
 use crate::module;
 use crate::state::parts;
 use crate::two_stage::{TwoStage, merge_by_source, width_of};
@@ -108,7 +108,10 @@ impl ShardedEbc {
         };
         let b = inverse.map_or(kjt.stride(), |inv| inv.indices.first().map_or(0, Vec::len));
         let keys = resolve_inputs(kjt, &self.outputs, &self.tables, |t| {
-            self.raw_blocks[t].map(|b| b.saturating_mul(self.shardings[t].shards.len() as u64))
+            self.raw_blocks[t].map(|r| match r {
+                RawRoute::Block(b) => b.saturating_mul(self.shardings[t].shards.len() as u64),
+                RawRoute::Hash => 1 << 63,
+            })
         })?;
         let weighted = kjt.weights().is_some();
         // Per output: its bags here (B, or the distinct bags of a VBE key) and each sample's bag.
@@ -148,7 +151,7 @@ impl ShardedEbc {
                     for pos in s..e {
                         let id = f.values[pos] as u64;
                         let (mine, local) = match raw {
-                            Some(block) => (id / block == r.shard as u64, id),
+                            Some(route) => (route.part(id, self.shardings[r.table].shards.len()) == r.shard, id),
                             None => (shard.rows.contains(&id), id.wrapping_sub(shard.rows.start)),
                         };
                         if mine {
@@ -244,6 +247,24 @@ impl ShardedEbc {
     /// it up. Every shard must hold whole rows (all columns); the input dist refuses
     /// ids at or past `block * shards`. Every rank must route the same tables alike.
     pub fn route_raw_ids(&mut self, name: &str, block: Option<u64>) -> Result<(), DistError> {
+        self.route_by(name, block.map(RawRoute::Block))
+    }
+
+    /// Routes table `name`'s ids by a hash of the raw id (`true`; `false` by row again): raw
+    /// id `i` goes, unchanged, to the rank of shard [`hashed_part`]`(i, shards)`, to be
+    /// replaced there by rows of that shard as [`Self::route_raw_ids`] says. This is the
+    /// owner-rank admission of dynamic tables: each shard's id map owns the raw ids hashed to
+    /// it, so ids of any range spread evenly over the shards.
+    pub fn route_hashed_ids(&mut self, name: &str, hashed: bool) -> Result<(), DistError> {
+        self.route_by(name, hashed.then_some(RawRoute::Hash))
+    }
+
+    fn route_by(&mut self, name: &str, route: Option<RawRoute>) -> Result<(), DistError> {
+        let block = match route {
+            Some(RawRoute::Block(b)) => Some(b),
+            Some(RawRoute::Hash) => Some(1),
+            None => None,
+        };
         let ti = parts!(self).index(name)?;
         let (t, s) = (&self.tables[ti], &self.shardings[ti]);
         if block.is_some() {
@@ -260,7 +281,45 @@ impl ShardedEbc {
         if block == Some(0) {
             return Err(DistError::Module(format!("table {name}: a raw id block of 0 ids")));
         }
-        self.raw_blocks[ti] = block;
+        self.raw_blocks[ti] = route;
+        Ok(())
+    }
+
+    /// Drops from the local lookups of `staged` the ids equal to `id` of the tables routed by
+    /// raw id (after [`Self::raw_ids_mut`] replaced the others by rows): a dynamic table's ids
+    /// without a row, which read zeros and get no update.
+    pub fn drop_local_ids(&self, staged: &mut InputDist, id: i64) -> Result<(), DistError> {
+        let Some(local) = staged.local_kjt.as_mut() else { return Ok(()) };
+        let mine = &self.routes[self.pg.rank()];
+        let routed: Vec<bool> = mine.iter().map(|r| self.raw_blocks[r.table].is_some()).collect();
+        let any = (0..local.keys().len()).any(|k| routed[k] && local.feature(k).values.contains(&id));
+        if !any {
+            return Ok(());
+        }
+        let stride = local.stride();
+        let mut values = Vec::with_capacity(local.values().len());
+        let mut weights = local.weights().map(|w| Vec::with_capacity(w.len()));
+        let mut lengths = Vec::with_capacity(local.keys().len() * stride);
+        for (k, &filter) in routed.iter().enumerate() {
+            let f = local.feature(k);
+            for b in 0..f.num_bags() {
+                let (bag, w) = (f.bag(b), f.bag_weights(b));
+                let mut n = 0u32;
+                for (j, &v) in bag.iter().enumerate() {
+                    if filter && v == id {
+                        continue;
+                    }
+                    values.push(v);
+                    if let (Some(out), Some(w)) = (weights.as_mut(), w) {
+                        out.push(w[j]);
+                    }
+                    n += 1;
+                }
+                lengths.push(n);
+            }
+        }
+        *local = KeyedJaggedTensor::new(local.keys().to_vec(), values, weights, lengths, stride)
+            .map_err(|e| DistError::Module(format!("dropping ids without a row: {e}")))?;
         Ok(())
     }
 

@@ -166,10 +166,11 @@ impl Job {
                 contents.tensors.push((format!("{p}.meta"), TensorData::u64s(&meta)));
             }
         }
-        // Dynamic tables: the same map on every rank, saved by the lead.
-        if lead {
-            for (table, s) in self.mc.dynamic.states() {
-                let p = format!("dynamic.{table}");
+        // Dynamic tables: each map saved once, by its owner (or the lead when every rank runs
+        // it).
+        {
+            for (table, part, parts, s) in self.mc.dynamic.states(lead) {
+                let p = dynamic_prefix(&table, part, parts);
                 // The live rows alone, with their ids, counts and last steps.
                 let rows: Vec<u64> = s.rows.iter().map(|&r| u64::from(r)).collect();
                 contents.tensors.push((format!("{p}.rows"), TensorData::u64s(&rows)));
@@ -318,12 +319,21 @@ impl Job {
         }
         self.mc.attach(&mut self.sparse, &self.recipe, &self.plan)?;
 
-        // Dynamic tables.
-        let names: Vec<String> = self.mc.dynamic.tables.iter().map(|t| t.name.clone()).collect();
-        for name in names {
-            let p = format!("dynamic.{name}");
+        // Dynamic tables: every map (each rank runs its own, or all of them).
+        let maps: Vec<(String, usize, usize)> = self
+            .mc
+            .dynamic
+            .tables
+            .iter()
+            .flat_map(|t| (0..t.parts.len()).map(move |pi| (t.name.clone(), pi, t.parts.len())))
+            .collect();
+        for (name, part, parts) in maps {
+            let p = dynamic_prefix(&name, part, parts);
             if !ck.manifest.tensors.contains_key(&format!("{p}.ids")) {
-                return Err(incompatible(ck, format!("it holds no state of dynamic table {name}")));
+                return Err(incompatible(
+                    ck,
+                    format!("it holds no state of dynamic table {name} (partition {part} of {parts})"),
+                ));
             }
             let u64s = |what: &str| ck.u64s(&format!("{p}.{what}"));
             let meta = u64s("meta")?;
@@ -334,13 +344,10 @@ impl Job {
                 ));
             };
             let mut sketch: Vec<u32> = u64s("sketch")?.into_iter().flat_map(|c| [c as u32, (c >> 32) as u32]).collect();
-            let counters = self
-                .mc
-                .dynamic
-                .tables
-                .iter()
-                .find(|t| t.name == name)
-                .map_or(0, |t| t.table.config().sketch_width * t.table.config().sketch_depth);
+            let counters =
+                self.mc.dynamic.tables.iter().find(|t| t.name == name).map_or(0, |t| {
+                    t.parts[part].table.config().sketch_width * t.parts[part].table.config().sketch_depth
+                });
             sketch.truncate(counters);
             let (mut ids, mut counts, mut last) = (ck.i64(&format!("{p}.ids"))?.1, u64s("counts")?, u64s("last")?);
             let rows: Vec<u32> = if ck.has(&format!("{p}.rows")) {
@@ -370,7 +377,7 @@ impl Job {
                     lookups,
                 },
             };
-            self.mc.dynamic.load(&name, state).map_err(|e| incompatible(ck, e.to_string()))?;
+            self.mc.dynamic.load(&name, part, state).map_err(|e| incompatible(ck, e.to_string()))?;
         }
 
         // Training metrics.
@@ -445,4 +452,10 @@ fn read_mc_part(ck: &Checkpoint, p: &str, table: &str) -> Result<McState, Engine
         window: window_ids.into_iter().zip(window_counts).zip(window_last).map(|((a, b), c)| (a, b, c)).collect(),
         stats: McStats { lookups, fallbacks, last_evictions, last_admissions, evictions, ..Default::default() },
     })
+}
+
+/// The tensor names' prefix of map `part` (of `parts`) of dynamic table `table`:
+/// `dynamic.<table>` for a table of one map, else `dynamic.<table>.part<i>`.
+pub(crate) fn dynamic_prefix(table: &str, part: usize, parts: usize) -> String {
+    if parts == 1 { format!("dynamic.{table}") } else { format!("dynamic.{table}.part{part}") }
 }
