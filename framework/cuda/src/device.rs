@@ -189,10 +189,19 @@ impl CudaEbc {
     ) -> Result<Self, CudaError> {
         let mut tables = Vec::with_capacity(layout.tables.len());
         for spec in &layout.tables {
-            let w = ebc.table_weights(&spec.name).expect("a table of this collection");
-            let s = ebc.optimizer_state(&spec.name).unwrap_or_default();
             let iter = ebc.step_count(&spec.name).unwrap_or(0);
             let half = spec.precision != WeightPrecision::Fp32;
+            // A key-value table's rows written so far (none in a fresh collection): the rest
+            // read as the initial weights, which the store computes, so a table larger than
+            // memory is never materialised.
+            let sparse = spec.cache.as_ref().and_then(|_| ebc.sparse_rows(&spec.name));
+            let (w, s) = match &sparse {
+                Some(rows) => ebc.rows_state(&spec.name, rows)?,
+                None => (
+                    ebc.table_weights(&spec.name).expect("a table of this collection"),
+                    ebc.optimizer_state(&spec.name).unwrap_or_default(),
+                ),
+            };
             let table = match &spec.cache {
                 None => {
                     let weights = Weights::upload(&backend, host::to_stored(spec.precision, &w))?;
@@ -222,6 +231,14 @@ impl CudaEbc {
                         init,
                     )?;
                     let mut t = DeviceTable { spec: spec.clone(), weights, state, iter, cache: Some(cache) };
+                    if let Some(rows) = &sparse {
+                        let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                        let zeros = vec![0f32; rows.len() * spec.state_per_row];
+                        let s = if s.is_empty() { &zeros } else { &s };
+                        crate::table::write_rows(&mut t, &backend, &rows, &w, s)?;
+                        tables.push(Mutex::new(t));
+                        continue;
+                    }
                     // Nothing is resident yet: this fills the backing file.
                     let zeros;
                     let s = if s.is_empty() {

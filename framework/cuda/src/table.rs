@@ -219,6 +219,21 @@ pub(crate) fn write_table(t: &mut DeviceTable, be: &Backend, weights: &[f32], st
     Ok(())
 }
 
+/// Writes rows `rows` (each once) of a cached table: weights fp32 (`[rows, dim]`) and
+/// optimizer state (`[rows, spr]`), to their slots or the backing store.
+pub(crate) fn write_rows(
+    t: &mut DeviceTable,
+    be: &Backend,
+    rows: &[u32],
+    weights: &[f32],
+    state: &[f32],
+) -> Result<(), CudaError> {
+    let stored = host::to_stored(t.spec.precision, weights);
+    let (mut store, cache) = t.slot_writer(be);
+    cache.write_rows(&mut store, rows, &host::stored_bytes(&stored), state)?;
+    Ok(())
+}
+
 /// A slice's bytes.
 pub(crate) fn bytemuck_bytes<T: Copy>(v: &[T]) -> &[u8] {
     // SAFETY: plain integers and floats (i64, f32) have no padding; the bytes are only read.

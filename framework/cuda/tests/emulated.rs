@@ -244,6 +244,40 @@ fn cached_tables_in_gpu_memory_train_like_tables_in_memory() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A key-value table of a billion rows (64 GB of fp32 weights) moves onto the GPU engine
+/// without being materialised: only the rows the CPU collection wrote are copied, the rest
+/// read as the same initial weights.
+#[test]
+fn a_key_value_table_larger_than_memory_builds_without_materialising() {
+    use trainrec_embedding::{
+        CacheBacking, CacheConfig, CachePolicy, EmbeddingBagCollection, EmbeddingBagConfig, PoolingMode,
+    };
+    use trainrec_sparse::KeyedJaggedTensor;
+    let dir = std::env::temp_dir().join(format!("trainrec-cuda-kv-huge-{}", std::process::id()));
+    let rows = 1_000_000_000;
+    let table = EmbeddingBagConfig::new("big", rows, 16, PoolingMode::Sum, &["f"]).with_cache(CacheConfig {
+        slots: 64,
+        policy: CachePolicy::Lru,
+        backing: CacheBacking::KeyValue,
+        dir: dir.clone(),
+    });
+    let sgd = SparseOptimizerConfig::Sgd { lr: 0.5 };
+    let mut cpu = EmbeddingBagCollection::new(vec![table], sgd, 3).unwrap();
+    // Two rows written on the CPU side before the move.
+    let kjt = KeyedJaggedTensor::new(vec!["f".into()], vec![7, 999_999_999], None, vec![1, 1], 2).unwrap();
+    cpu.forward(&kjt).unwrap();
+    cpu.backward_and_update(&kjt, &[0.25; 2 * 16]).unwrap();
+    assert_eq!(cpu.sparse_rows("big"), Some(vec![7, 999_999_999]));
+    let gpu = CudaEbc::emulated(&cpu).unwrap();
+    // Rows written, and rows never written (their initial weights), read as on the CPU.
+    let probe =
+        KeyedJaggedTensor::new(vec!["f".into()], vec![7, 999_999_999, 123_456_789], None, vec![1, 1, 1], 3).unwrap();
+    let want = cpu.forward(&probe).unwrap();
+    assert_eq!(gpu.download(&gpu.forward(&probe).unwrap()).unwrap(), want.values());
+    assert_eq!(gpu.cache_placement("big").unwrap().stored, 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn reset_rows_give_the_cpu_collections_values_in_memory_and_in_the_cache() {
     // Managed collisions' resets after two steps: plain tables (fp32, bf16) and cached ones
