@@ -680,6 +680,36 @@ fn pipelines_train_the_same_model_as_base_bit_for_bit() {
     }
 }
 
+/// Jobs with managed collisions or dynamic tables (remapped on every rank): the pipelines
+/// remap batch i+1 while step i trains and reset the rows it hands over after step i's
+/// update, so they train the base pipeline's model bit for bit.
+#[test]
+fn pipelines_with_id_maps_train_the_same_model_as_base_bit_for_bit() {
+    // Every id admitted at once into 4 rows, fewer than a batch's ids: batch i+1's new ids
+    // take rows batch i trained, so a reset before batch i's update would show.
+    let dynamic = "tables[0].dynamic={admit_after=1,eviction=\"lru\",id_space=200}";
+    for sharding in ["table_wise", "column_wise", "data_parallel"] {
+        for world in [1, 2] {
+            for (what, mc, extra) in
+                [("managed collisions", true, vec![]), ("a dynamic table", false, vec![dynamic, "tables[0].rows=4"])]
+            {
+                let name = format!("maps-{sharding}-{world}-{mc}");
+                let base_out = own_out(&format!("{name}-base"));
+                let mut over = vec![base_out.as_str()];
+                over.extend(&extra);
+                let base = train_full(world, sharding, false, mc, &over);
+                for kind in ["sparse_dist", "prefetch_sparse_dist"] {
+                    let (out, k) = (own_out(&format!("{name}-{kind}")), format!("pipeline.kind=\"{kind}\""));
+                    let mut over = vec![out.as_str(), k.as_str()];
+                    over.extend(&extra);
+                    let piped = train_full(world, sharding, false, mc, &over);
+                    same(&format!("{kind} with {what}: {sharding} on {world} ranks"), &piped, &base);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn prefetching_into_cached_shards_trains_like_tables_in_memory() {
     // Table ta of 400 rows cached at load factor 0.1, LFU: rows are evicted over the run, and

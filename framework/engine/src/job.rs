@@ -541,17 +541,25 @@ impl Job {
         // Whether `checkpoint_every` saves after `step`.
         let periodic_save = |step: u64| train.checkpoint_every.is_some_and(|n| step.is_multiple_of(n));
         let pipeline = self.recipe.pipeline.clone();
-        // The pipelines that read ahead; managed collisions remap a batch's ids just before
-        // its lookup (the remap of batch i+1 resets rows batch i's update writes), so those
-        // jobs train as `base`.
-        let pipelined = pipeline.reads_ahead() && self.mc.is_empty() && !matches!(self.sparse, SparseArch::Lookup(_));
-        if pipeline.reads_ahead() && !pipelined {
+        // The pipelines that read ahead. A job with managed collisions or dynamic tables has
+        // batch i+1's ids remapped when it is staged, during step i (the rows it hands to new
+        // ids are reset after step i's update), so it trains as `base` does. Tables remapped on
+        // their owning ranks remap after the input dist, in the step: those jobs train as
+        // `base`.
+        let pipelined =
+            pipeline.reads_ahead() && !self.mc.has_owner_remap() && !matches!(self.sparse, SparseArch::Lookup(_));
+        if pipeline.reads_ahead() && self.mc.has_owner_remap() {
             tracing::warn!(
-                "pipeline.kind = {:?}: a job with managed collisions trains as `base` (each batch's ids are \
-                 remapped just before its lookup)",
+                "pipeline.kind = {:?}: a job whose managed-collision or dynamic tables are remapped on their \
+                 owning ranks trains as `base` (the remap follows each batch's input dist)",
                 pipeline.kind
             );
         }
+        // With id maps, a batch is staged (its ids counted) only during a step after which
+        // nothing reads the maps: not before an evaluation, a checkpoint or a stop.
+        let remaps = !self.mc.is_empty();
+        let eval_step = |step: u64| train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step);
+        let mut stop_after_next: Option<i32> = None;
         let (first_epoch, first_step) = (p.epoch, p.step);
         let mut stopped: Option<i32> = None;
         'outer: for epoch in first_epoch..epochs {
@@ -591,8 +599,11 @@ impl Job {
                 let _step_span = tracing::debug_span!("step", step = p.step + 1).entered();
                 // A learning-rate schedule is at the run's step (a resumed run's included).
                 self.updates = p.step;
-                let (loss, predictions, examples) =
-                    self.train_step_with(&batch, train_suites.is_some(), feed.ahead())?;
+                let step_now = p.step + 1;
+                let ahead = feed.ahead().filter(|_| {
+                    !remaps || !(eval_step(step_now) || periodic_save(step_now) || stop_after_next.is_some())
+                });
+                let (loss, predictions, examples) = self.train_step_with(&batch, train_suites.is_some(), ahead)?;
                 if let (Some(suites), Some(pr)) = (&mut train_suites, &predictions) {
                     self.feed_all_ranks(suites, pr, &batch)?;
                 }
@@ -619,9 +630,7 @@ impl Job {
                     }
                     let mut values = BTreeMap::from([("loss".to_string(), mean)]);
                     values.extend(throughput.compute());
-                    let pg = self.sync.as_ref().map(|s| s.pg.as_ref());
-                    values.extend(self.mc.metric_values(pg)?);
-                    values.extend(self.mc.dynamic.metric_values(pg)?);
+                    values.extend(self.mc.report(self.sync.as_ref().map(|s| s.pg.as_ref()))?);
                     values.extend(self.cache_values_of_all_ranks()?);
                     values.extend(self.lr_values());
                     train_values.extend(values);
@@ -635,7 +644,7 @@ impl Job {
                 if !train_values.is_empty() {
                     log_write(&mut log, step, "train", &std::mem::take(&mut train_values))?;
                 }
-                if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) {
+                if eval_step(step) {
                     let m = self.evaluate()?;
                     if lead {
                         tracing::info!(step, metrics = ?m, "eval");
@@ -654,7 +663,12 @@ impl Job {
                 if let Some(e) = read_error {
                     return Err(e.into());
                 }
-                // A stop signal on any rank: every rank ends after this step.
+                // A stop signal on any rank: every rank ends after this step, or, when the id
+                // maps already counted the batch staged ahead, after that batch's step.
+                if let Some(signal) = stop_after_next.take() {
+                    stopped = Some(signal);
+                    break 'outer;
+                }
                 if crate::runtime::stop_handlers_installed() {
                     let mine = crate::runtime::stop_signal().unwrap_or(0);
                     let any = match &self.sync {
@@ -662,8 +676,13 @@ impl Job {
                         None => mine != 0,
                     };
                     if any {
-                        stopped = Some(if mine != 0 { mine } else { libc::SIGTERM });
-                        break 'outer;
+                        let signal = if mine != 0 { mine } else { libc::SIGTERM };
+                        if self.pipeline.has_remapped() {
+                            stop_after_next = Some(signal);
+                        } else {
+                            stopped = Some(signal);
+                            break 'outer;
+                        }
                     }
                 }
                 if done(step) {

@@ -62,6 +62,9 @@ pub(crate) struct McTables {
     seed: u64,
     /// The dynamic tables (`tables[].dynamic`), remapped at the same points.
     pub(crate) dynamic: crate::dynamic_tables::DynamicTables,
+    /// The metric values of the steps trained so far, kept while the maps already count the
+    /// batch staged ahead (a pipeline remaps it while the step before it trains).
+    pub(crate) reported: Option<BTreeMap<String, f64>>,
 }
 
 fn bad(table: &str, m: impl std::fmt::Display) -> EngineError {
@@ -266,7 +269,12 @@ impl McTables {
             }
             tables.push(table);
         }
-        Ok(Self { tables, seed: recipe.run.seed, dynamic: crate::dynamic_tables::DynamicTables::new(recipe)? })
+        Ok(Self {
+            tables,
+            seed: recipe.run.seed,
+            dynamic: crate::dynamic_tables::DynamicTables::new(recipe)?,
+            reported: None,
+        })
     }
 
     /// Chooses each table's way to run (see the module docs) for the job's sparse part and
@@ -505,6 +513,18 @@ impl McTables {
     /// The names of the tables.
     pub(crate) fn names(&self) -> Vec<String> {
         self.tables.iter().map(|t| t.name.clone()).collect()
+    }
+
+    /// The `mc/*` and `dynamic/*` metric values of the steps trained so far (see
+    /// [`Self::metric_values`]): as they were before the batch staged ahead was counted, if
+    /// one was. Collective when some table is remapped on its owners.
+    pub(crate) fn report(&self, pg: Option<&dyn ProcessGroup>) -> Result<BTreeMap<String, f64>, EngineError> {
+        if let Some(v) = &self.reported {
+            return Ok(v.clone());
+        }
+        let mut out = self.metric_values(pg)?;
+        out.extend(self.dynamic.metric_values(pg)?);
+        Ok(out)
     }
 
     /// Each table's statistics over the parts this rank runs.

@@ -12,6 +12,7 @@
 //! staged batch for the next step.
 
 use tch::{Device, Kind, Tensor};
+use trainrec_comm::ProcessGroup;
 use trainrec_data::{Batch, BatchStream, DataError};
 use trainrec_embedding::{BatchContext, EmbeddingEngine};
 use trainrec_models::{DenseModel, DenseOptimizer, LossInput};
@@ -20,7 +21,7 @@ use trainrec_recipe::PipelineKind;
 use crate::data_parallel::DataParallel;
 use crate::error::EngineError;
 use crate::inputs::{BatchLayout, expand_vbe};
-use crate::managed_collisions::McTables;
+use crate::managed_collisions::{McTables, Resets};
 use crate::sparse_arch::SparseArch;
 
 /// The train split's batches as the pipeline reads them: with a pipeline that reads ahead,
@@ -123,12 +124,22 @@ pub(crate) struct Pipeline {
     staged: Option<BatchContext>,
     /// The last sharded step's phase times (its input dist's wherever it ran).
     last_times: Option<trainrec_sharding::StepTimes>,
+    /// A job with managed collisions or dynamic tables: the batch staged ahead with its ids
+    /// already remapped (the id maps counted it when it was staged) and the rows its remap
+    /// handed to new ids, re-initialised when it trains, after the previous batch's update.
+    remapped: Option<(Batch, Resets)>,
 }
 
 impl Pipeline {
     /// A pipeline of `kind` with nothing staged.
     pub fn new(kind: PipelineKind) -> Self {
-        Self { kind, staged: None, last_times: None }
+        Self { kind, staged: None, last_times: None, remapped: None }
+    }
+
+    /// Whether a batch waits staged with its ids already remapped (the id maps are a batch
+    /// ahead of the steps trained).
+    pub fn has_remapped(&self) -> bool {
+        self.remapped.is_some()
     }
 
     /// The last training step's phase times on this rank, for sharded jobs.
@@ -140,6 +151,7 @@ impl Pipeline {
     /// its input dist or GPU copy, and its rows pinned in the caches.
     pub fn discard(&mut self, sparse: &mut SparseArch) {
         self.staged = None;
+        self.remapped = None;
         sparse.discard_prefetched();
     }
 
@@ -159,22 +171,33 @@ impl Pipeline {
         ahead: Option<&Batch>,
     ) -> Result<(f64, Option<Vec<f32>>, usize), EngineError> {
         let StepParts { sparse: arch, model, opt, sync, mc, layout, clipping } = parts;
+        let pg = sync.map(|s| s.pg.as_ref());
         let remapped;
+        // The id maps now hold every batch remapped so far: statistics are read live again.
+        mc.reported = None;
         let batch = if mc.is_empty() {
             batch
         } else {
-            // Managed collisions: raw ids counted and remapped to rows; the rows of slots that
-            // changed hands start afresh before the lookup.
-            let mut b = batch.clone();
-            expand_vbe(&mut b.sparse)?;
-            let pg = sync.map(|s| s.pg.as_ref());
-            for (table, rows, key) in mc.train(&mut b.sparse, pg)? {
+            // Managed collisions, dynamic tables: raw ids counted and remapped to rows (when the
+            // batch was staged, or now); the rows that changed hands start afresh before the
+            // lookup, after the previous batch's update.
+            let (b, resets) = match self.remapped.take() {
+                Some(staged) => staged,
+                None => {
+                    let mut b = batch.clone();
+                    expand_vbe(&mut b.sparse)?;
+                    let resets = mc.train(&mut b.sparse, pg)?;
+                    (b, resets)
+                }
+            };
+            for (table, rows, key) in resets {
                 arch.reset_rows(&table, &rows, key)?;
             }
             remapped = b;
             &remapped
         };
-        // Managed-collision jobs run the base pipeline: nothing is staged ahead for them.
+        // Jobs remapped on the owning ranks run the base pipeline: their input dist and remap
+        // happen here.
         let staged = match self.staged.take() {
             Some(st) => Some(st),
             None => mc.stage_train(arch, &batch.sparse)?,
@@ -204,9 +227,10 @@ impl Pipeline {
             clipping,
         };
         let prefetch = self.kind == PipelineKind::PrefetchSparseDist;
+        let remaps = !mc.is_empty();
         let stage = match (ahead, &mut *arch) {
             (Some(next), SparseArch::Train(engine)) if prefetch || engine.stages_ahead() => {
-                Some(Stage { next, engine: engine.as_mut(), prefetch })
+                Some(Stage { next, engine: engine.as_mut(), prefetch, mc: remaps.then_some((&mut *mc, pg)) })
             }
             _ => None,
         };
@@ -235,7 +259,10 @@ impl Pipeline {
         // A stage's failure is reported before this batch's update is applied: no rank has
         // applied it (each rank's stage fails in the same collective, or its peers see it leave).
         let (scaled_loss, logits, examples) = dense_part?;
-        self.staged = staged.transpose()?;
+        if let Some((ctx, remapped)) = staged.transpose()? {
+            self.staged = Some(ctx);
+            self.remapped = remapped;
+        }
         let loss_value = dense_parts.finish(scaled_loss, ctx.batch_sizes.is_some())?;
         // The engine reads the gradient tensor's memory in place.
         {
@@ -371,12 +398,28 @@ struct Stage<'a> {
     next: &'a Batch,
     engine: &'a mut dyn EmbeddingEngine,
     prefetch: bool,
+    /// A job with managed collisions or dynamic tables (remapped on every rank): the next
+    /// batch's ids are counted and remapped first, here, and `pg` is its ranks'.
+    mc: Option<(&'a mut McTables, Option<&'a dyn ProcessGroup>)>,
 }
 
 impl Stage<'_> {
-    fn run(self) -> Result<BatchContext, EngineError> {
+    /// The next batch's stage, and with id maps the batch remapped with the rows to reset.
+    fn run(self) -> Result<(BatchContext, Option<(Batch, Resets)>), EngineError> {
         let _span = tracing::debug_span!("stage").entered();
-        Ok(self.engine.stage(&self.next.sparse, &batch_parts(self.next), self.prefetch)?)
+        let Some((mc, pg)) = self.mc else {
+            return Ok((self.engine.stage(&self.next.sparse, &batch_parts(self.next), self.prefetch)?, None));
+        };
+        // The statistics the steps up to now report (the maps are about to count the next
+        // batch); replicated maps: no collective.
+        let mut reported = mc.metric_values(pg)?;
+        reported.extend(mc.dynamic.metric_values(pg)?);
+        mc.reported = Some(reported);
+        let mut b = self.next.clone();
+        expand_vbe(&mut b.sparse)?;
+        let resets = mc.train(&mut b.sparse, pg)?;
+        let ctx = self.engine.stage(&b.sparse, &batch_parts(&b), self.prefetch)?;
+        Ok((ctx, Some((b, resets))))
     }
 }
 
