@@ -558,7 +558,8 @@ impl Job {
         // With id maps, a batch is staged (its ids counted) only during a step after which
         // nothing reads the maps: not before an evaluation, a checkpoint or a stop.
         let remaps = !self.mc.is_empty();
-        let eval_step = |step: u64| train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step);
+        let eval_step =
+            |step: u64| train.eval_every.is_some_and(|n| step.is_multiple_of(n)) && train.steps != Some(step);
         let mut stop_after_next: Option<i32> = None;
         let (first_epoch, first_step) = (p.epoch, p.step);
         let mut stopped: Option<i32> = None;
