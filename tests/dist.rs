@@ -546,6 +546,45 @@ fn dynamic_tables_resume_on_other_world_sizes() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// A dynamic table under every fused optimizer (and fp16 / bf16 weights): 30 rows for ids
+/// from 200 (admitted at once, the least recently used row taken), so rows change hands and
+/// restart with fresh weights and zero optimizer state while others keep theirs; a run
+/// resumed from the live-rows checkpoint goes on bit for bit (a checkpoint without the live
+/// rows' optimizer state fails this).
+#[test]
+fn dynamic_tables_resume_bit_for_bit_under_every_optimizer_and_precision() {
+    let dynamic = "tables[0].dynamic={admit_after=1,eviction=\"lru\",id_space=200}";
+    let dir = std::env::temp_dir().join(format!("trainrec-dist-ck-dynopt-{}", std::process::id()));
+    for (opt, precision) in [
+        ("{kind=\"sgd\",lr=0.5}", "fp32"),
+        ("{kind=\"adagrad\",lr=0.5}", "fp32"),
+        ("{kind=\"rowwise_adagrad\",lr=0.5}", "fp32"),
+        ("{kind=\"adam\",lr=0.05}", "fp32"),
+        ("{kind=\"partial_rowwise_adam\",lr=0.05}", "fp32"),
+        ("{kind=\"lamb\",lr=0.05}", "fp32"),
+        ("{kind=\"rowwise_adagrad\",lr=0.5}", "fp16"),
+        ("{kind=\"adam\",lr=0.05}", "bf16"),
+    ] {
+        let _ = std::fs::remove_dir_all(&dir);
+        let over = [
+            dynamic.to_string(),
+            "tables[0].rows=30".into(),
+            format!("optimizer.sparse={opt}"),
+            format!("tables[0].precision=\"{precision}\""),
+        ];
+        let over: Vec<&str> = over.iter().map(String::as_str).collect();
+        let what = format!("{opt} {precision}");
+        train_path(1, &checkpoint_recipe(1, "table_wise", 6, Some(6), &dir), &over, None);
+        let ck = trainrec::engine::checkpoint::latest(&dir.join("checkpoints")).unwrap().expect("a checkpoint");
+        let through = train_path(1, &checkpoint_recipe(1, "table_wise", 10, None, &dir.join("through")), &over, None);
+        let resumed = train_path(1, &checkpoint_recipe(1, "table_wise", 10, None, &dir), &over, Some(&ck));
+        same(&what, &resumed, &through);
+        let plain = train_path(1, &checkpoint_recipe(1, "table_wise", 10, None, &dir.join("plain")), &over[1..], None);
+        assert_ne!(through.tables[0], plain.tables[0], "{what}: the dynamic table learns something else");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn owner_remapped_managed_collisions_resume_on_other_world_sizes() {
     let out = std::env::temp_dir().join(format!("trainrec-dist-ck-mc-{}", std::process::id()));
