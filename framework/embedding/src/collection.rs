@@ -277,12 +277,17 @@ impl Core {
         Ok(())
     }
 
-    /// Table number `i`'s initial fp32 weights of rows `rows` (all columns).
-    pub(crate) fn initial_of(&self, i: usize, rows: std::ops::Range<u64>) -> Vec<f32> {
+    /// Table number `i`'s initial fp32 weights as a function of a row range (all columns):
+    /// the values its rows start from, and a cached table's never-written rows read as.
+    pub(crate) fn initial_fn(
+        &self,
+        i: usize,
+    ) -> impl Fn(std::ops::Range<u64>) -> Vec<f32> + Send + Sync + 'static + use<> {
         let c = &self.tables[i].config;
-        match &c.init_block {
-            Some(b) => b.rows(rows),
-            None => initial_weights(self.seed, i, c.rows, c.dim, rows, 0..c.dim),
+        let (seed, rows, dim, block) = (self.seed, c.rows, c.dim, c.init_block.clone());
+        move |r: std::ops::Range<u64>| match &block {
+            Some(b) => b.rows(r),
+            None => initial_weights(seed, i, rows, dim, r, 0..dim),
         }
     }
 
@@ -351,7 +356,7 @@ impl Core {
             return Err(EmbeddingError::Shape(format!("table \"{name}\" has {n} rows, not row {r}")));
         }
         if self.caches[i].is_none() {
-            let mut w = self.initial_of(i, 0..n);
+            let mut w = self.initial_fn(i)(0..n);
             let mut st = vec![0f32; n as usize * spr];
             for (j, &r) in rows.iter().enumerate() {
                 w[r as usize * dim..][..dim].copy_from_slice(&weights[j * dim..][..dim]);
@@ -363,18 +368,12 @@ impl Core {
         // Rows written now but not in the block go back to their initial values.
         let stale: Vec<u64> = self.sparse_rows(name).unwrap_or_default();
         let zeros = vec![0f32; spr];
+        let initial = self.initial_fn(i);
         let t = &self.tables[i];
         let c = self.caches[i].as_mut().expect("a cached table");
         dispatch!(&mut self.groups[t.group], g => {
             for r in stale.into_iter().filter(|r| rows.binary_search(r).is_err()) {
-                let init = {
-                    let cfg = &t.config;
-                    match &cfg.init_block {
-                        Some(b) => b.rows(r..r + 1),
-                        None => initial_weights(self.seed, i, cfg.rows, cfg.dim, r..r + 1, 0..cfg.dim),
-                    }
-                };
-                c.write_row(g, t.local, r as u32, &init, Some(&zeros))?;
+                c.write_row(g, t.local, r as u32, &initial(r..r + 1), Some(&zeros))?;
             }
             for (j, &r) in rows.iter().enumerate() {
                 c.write_row(g, t.local, r as u32, &weights[j * dim..][..dim], Some(&state[j * spr..][..spr]))?;

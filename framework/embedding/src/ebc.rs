@@ -212,14 +212,7 @@ impl EmbeddingBagCollection {
         &self,
         name: &str,
     ) -> Option<impl Fn(std::ops::Range<u64>) -> Vec<f32> + Send + Sync + 'static + use<>> {
-        let core = self.core();
-        let t = core.table_index(name)?;
-        let c = &core.tables[t].config;
-        let (seed, rows, dim, block) = (core.seed, c.rows, c.dim, c.init_block.clone());
-        Some(move |r: std::ops::Range<u64>| match &block {
-            Some(b) => b.rows(r),
-            None => crate::collection::initial_weights(seed, t, rows, dim, r, 0..dim),
-        })
+        Some(self.core.initial_fn(self.core.table_index(name)?))
     }
 
     pub(crate) fn core(&self) -> &Core {

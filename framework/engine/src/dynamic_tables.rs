@@ -481,37 +481,12 @@ impl DynamicTables {
 /// Rebuilds `kjt` (one bag per example) without the [`NOT_ADMITTED`] ids of features `keys`;
 /// nothing is copied when there are none.
 fn drop_not_admitted(kjt: &mut KeyedJaggedTensor, keys: &[usize]) -> Result<(), EngineError> {
-    let any = keys.iter().any(|&k| kjt.feature(k).values.contains(&NOT_ADMITTED));
-    if !any {
-        return Ok(());
+    if let Some(kept) = kjt
+        .without_value(|k| keys.contains(&k), NOT_ADMITTED)
+        .map_err(|e| EngineError::Internal(format!("dynamic tables: {e}")))?
+    {
+        *kjt = kept;
     }
-    let stride = kjt.stride();
-    let nkeys = kjt.keys().len();
-    let mut values = Vec::with_capacity(kjt.values().len());
-    let mut weights = kjt.weights().map(|w| Vec::with_capacity(w.len()));
-    let mut lengths = Vec::with_capacity(nkeys * stride);
-    for k in 0..nkeys {
-        let f = kjt.feature(k);
-        let filter = keys.contains(&k);
-        for b in 0..f.num_bags() {
-            let bag = f.bag(b);
-            let w = f.bag_weights(b);
-            let mut n = 0u32;
-            for (j, &id) in bag.iter().enumerate() {
-                if filter && id == NOT_ADMITTED {
-                    continue;
-                }
-                values.push(id);
-                if let (Some(out), Some(w)) = (weights.as_mut(), w) {
-                    out.push(w[j]);
-                }
-                n += 1;
-            }
-            lengths.push(n);
-        }
-    }
-    *kjt = KeyedJaggedTensor::new(kjt.keys().to_vec(), values, weights, lengths, stride)
-        .map_err(|e| EngineError::Internal(format!("dynamic tables: {e}")))?;
     Ok(())
 }
 

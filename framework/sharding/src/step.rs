@@ -291,35 +291,13 @@ impl ShardedEbc {
     pub fn drop_local_ids(&self, staged: &mut InputDist, id: i64) -> Result<(), DistError> {
         let Some(local) = staged.local_kjt.as_mut() else { return Ok(()) };
         let mine = &self.routes[self.pg.rank()];
-        let routed: Vec<bool> = mine.iter().map(|r| self.raw_blocks[r.table].is_some()).collect();
-        let any = (0..local.keys().len()).any(|k| routed[k] && local.feature(k).values.contains(&id));
-        if !any {
-            return Ok(());
+        let routed = |k: usize| mine.get(k).is_some_and(|r| self.raw_blocks[r.table].is_some());
+        if let Some(kept) = local
+            .without_value(routed, id)
+            .map_err(|e| DistError::Module(format!("dropping ids without a row: {e}")))?
+        {
+            *local = kept;
         }
-        let stride = local.stride();
-        let mut values = Vec::with_capacity(local.values().len());
-        let mut weights = local.weights().map(|w| Vec::with_capacity(w.len()));
-        let mut lengths = Vec::with_capacity(local.keys().len() * stride);
-        for (k, &filter) in routed.iter().enumerate() {
-            let f = local.feature(k);
-            for b in 0..f.num_bags() {
-                let (bag, w) = (f.bag(b), f.bag_weights(b));
-                let mut n = 0u32;
-                for (j, &v) in bag.iter().enumerate() {
-                    if filter && v == id {
-                        continue;
-                    }
-                    values.push(v);
-                    if let (Some(out), Some(w)) = (weights.as_mut(), w) {
-                        out.push(w[j]);
-                    }
-                    n += 1;
-                }
-                lengths.push(n);
-            }
-        }
-        *local = KeyedJaggedTensor::new(local.keys().to_vec(), values, weights, lengths, stride)
-            .map_err(|e| DistError::Module(format!("dropping ids without a row: {e}")))?;
         Ok(())
     }
 

@@ -248,6 +248,37 @@ impl KeyedJaggedTensor {
             _ => self.stride(),
         }
     }
+    /// This KJT (one stride of bags per key) without the values equal to `value` in the keys
+    /// `drop_in` selects (their weights too, their bags shorter); `None` when there are none
+    /// to drop (nothing copied). Dynamic tables drop the ids without a row this way.
+    pub fn without_value(&self, drop_in: impl Fn(usize) -> bool, value: i64) -> Result<Option<Self>, SparseError> {
+        let keys = self.keys().len();
+        if !(0..keys).any(|k| drop_in(k) && self.feature(k).values.contains(&value)) {
+            return Ok(None);
+        }
+        let mut values = Vec::with_capacity(self.values().len());
+        let mut weights = self.weights().map(|w| Vec::with_capacity(w.len()));
+        let mut lengths = Vec::with_capacity(self.lengths().len());
+        for k in 0..keys {
+            let (f, filter) = (self.feature(k), drop_in(k));
+            for b in 0..f.num_bags() {
+                let (bag, w) = (f.bag(b), f.bag_weights(b));
+                let mut n = 0u32;
+                for (j, &v) in bag.iter().enumerate() {
+                    if filter && v == value {
+                        continue;
+                    }
+                    values.push(v);
+                    if let (Some(out), Some(w)) = (weights.as_mut(), w) {
+                        out.push(w[j]);
+                    }
+                    n += 1;
+                }
+                lengths.push(n);
+            }
+        }
+        Self::new(self.keys().to_vec(), values, weights, lengths, self.stride()).map(Some)
+    }
     /// This KJT with one bag per example: a variable-batch KJT expanded by its
     /// `inverse_indices` ([`Self::expand_vbe`]), any other borrowed as it is (no copy).
     pub fn full_batch(&self) -> Result<std::borrow::Cow<'_, Self>, SparseError> {
@@ -512,6 +543,24 @@ impl KeyedJaggedTensor {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn without_value_drops_the_value_and_its_weight_in_the_chosen_keys() {
+        // a: bags [5, -1], [-1]; b: [-1, 7], [] (b not chosen: kept).
+        let kjt = KeyedJaggedTensor::new(
+            vec!["a".into(), "b".into()],
+            vec![5, -1, -1, -1, 7],
+            Some(vec![0.5, 1.0, 2.0, 3.0, 4.0]),
+            vec![2, 1, 2, 0],
+            2,
+        )
+        .unwrap();
+        let kept = kjt.without_value(|k| k == 0, -1).unwrap().expect("ids dropped");
+        assert_eq!(kept.values(), [5, -1, 7]);
+        assert_eq!(kept.weights().unwrap(), [0.5, 3.0, 4.0]);
+        assert_eq!(kept.lengths(), [1, 0, 2, 0]);
+        assert!(kjt.without_value(|k| k == 0, 9).unwrap().is_none());
+    }
     use super::*;
 
     #[test]
