@@ -47,12 +47,12 @@ fn pack(p: f32, y: f32, w: f32) -> u64 {
 }
 
 #[inline]
-fn unpack_weight(r: u64) -> f32 {
+pub(crate) fn unpack_weight(r: u64) -> f32 {
     f32::from_bits(r as u32 & 0x7fff_ffff)
 }
 
 #[inline]
-fn unpack_hard_label(r: u64) -> f32 {
+pub(crate) fn unpack_hard_label(r: u64) -> f32 {
     if (r >> 31) & 1 == 1 { 1.0 } else { 0.0 }
 }
 
@@ -229,6 +229,21 @@ impl SampleWindow {
         Ok(Self { packed, soft_labels: soft.then(|| labels.into()), groups })
     }
 
+    /// Hard labels only (`None` with soft labels): `fold` of the samples by descending
+    /// prediction (tied predictions in arrival order), in consecutive runs folded in parallel
+    /// as they are sorted; the runs' results in order.
+    pub(crate) fn fold_sorted<A: Send>(&self, fold: impl Fn(&[u64]) -> A + Sync + Send) -> Option<Vec<A>> {
+        if self.soft_labels.is_some() {
+            return None;
+        }
+        // The sorted records' memory is kept per thread between computes: a window's worth,
+        // reused instead of page-faulted in afresh each time.
+        thread_local! {
+            static SORTED: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        Some(SORTED.with(|out| sort_and_fold(self.packed.as_slices(), &mut out.borrow_mut(), fold)))
+    }
+
     /// Calls `f` on every sample by descending prediction, tied predictions in arrival order.
     /// With `indices`, each [`Visit`] carries the sample's position (for the grouping key).
     pub(crate) fn sweep(&self, indices: bool, mut f: impl FnMut(Visit)) {
@@ -260,12 +275,27 @@ const SMALL: usize = 1 << 16;
 /// least-significant-digit passes, buckets in parallel. Every pass is a stable counting sort,
 /// and a pass whose digit is equal for all its records is skipped.
 pub(crate) fn sort_by_high_half(parts: (&[u64], &[u64])) -> Vec<u64> {
+    let mut out = Vec::new();
+    sort_and_fold(parts, &mut out, |_| ());
+    out
+}
+
+/// [`sort_by_high_half`] into `out` (its memory reused), and `fold` of each of its buckets
+/// once sorted, while the bucket is in cache (buckets in parallel): the folds in order (the
+/// buckets' concatenation is the sorted sequence).
+pub(crate) fn sort_and_fold<A: Send>(
+    parts: (&[u64], &[u64]),
+    out: &mut Vec<u64>,
+    fold: impl Fn(&[u64]) -> A + Sync + Send,
+) -> Vec<A> {
     let n = parts.0.len() + parts.1.len();
+    out.clear();
     if n < SMALL {
-        let mut v = [parts.0, parts.1].concat();
+        out.extend_from_slice(parts.0);
+        out.extend_from_slice(parts.1);
         let mut scratch = vec![0u64; n];
-        lsd(&mut v, &mut scratch, &[(32, 11), (43, 10), (53, 11)]);
-        return v;
+        lsd(out, &mut scratch, &[(32, 11), (43, 10), (53, 11)]);
+        return vec![fold(out)];
     }
     let mut counts = vec![0usize; 2048];
     for &r in parts.0.iter().chain(parts.1) {
@@ -277,27 +307,32 @@ pub(crate) fn sort_by_high_half(parts: (&[u64], &[u64])) -> Vec<u64> {
         cursor.push(next);
         next += c;
     }
-    let mut out = vec![0u64; n];
+    out.resize(n, 0);
     for &r in parts.0.iter().chain(parts.1) {
         let d = (r >> 53) as usize;
         out[cursor[d]] = r;
         cursor[d] += 1;
     }
-    // Disjoint bucket slices of `out`, each sorted with a reused per-task buffer.
+    // Disjoint bucket slices of `out`, each sorted with a reused per-task buffer, then folded.
     let mut buckets = Vec::new();
     let mut rest = &mut out[..];
     for &c in &counts {
         let (b, r) = rest.split_at_mut(c);
-        if c > 1 {
+        if c > 0 {
             buckets.push(b);
         }
         rest = r;
     }
-    buckets.into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<u64>, b| {
-        buf.resize(b.len(), 0);
-        lsd(b, &mut buf[..b.len()], &[(32, 11), (43, 10)]);
-    });
-    out
+    buckets
+        .into_par_iter()
+        .map_init(Vec::new, |buf: &mut Vec<u64>, b| {
+            if b.len() > 1 {
+                buf.resize(b.len(), 0);
+                lsd(b, &mut buf[..b.len()], &[(32, 11), (43, 10)]);
+            }
+            fold(b)
+        })
+        .collect()
 }
 
 /// Stable LSD radix sort of `v` by the given (shift, width) digits, in that order; `buf` is
