@@ -692,7 +692,22 @@ fn a_failing_rank_stops_the_others_with_its_own_error() {
 /// `run.output_dir` of its own for a test's run `name`.
 fn own_out(name: &str) -> String {
     let dir = std::env::temp_dir().join(format!("trainrec-dist-pipe-{}", std::process::id())).join(name);
+    OWN_OUTS.with(|o| o.borrow_mut().push(dir.clone()));
     format!("run.output_dir=\"{}\"", dir.display())
+}
+
+thread_local! {
+    /// The run directories [`own_out`] gave this test (each test runs on a thread of its own).
+    static OWN_OUTS: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Removes the run directories [`own_out`] gave this test (a failed test keeps them).
+fn remove_own_outs() {
+    OWN_OUTS.with(|o| {
+        for d in o.borrow_mut().drain(..) {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    });
 }
 
 fn same(what: &str, a: &Trained, b: &Trained) {
@@ -717,6 +732,7 @@ fn pipelines_train_the_same_model_as_base_bit_for_bit() {
             }
         }
     }
+    remove_own_outs();
 }
 
 /// Jobs with managed collisions or dynamic tables (remapped on every rank): the pipelines
@@ -747,6 +763,7 @@ fn pipelines_with_id_maps_train_the_same_model_as_base_bit_for_bit() {
             }
         }
     }
+    remove_own_outs();
 }
 
 #[test]
@@ -783,6 +800,7 @@ fn prefetching_into_cached_shards_trains_like_tables_in_memory() {
             assert!(evictions > 0.0, "{what}: {last}");
         }
     }
+    remove_own_outs();
 }
 
 #[test]
@@ -802,6 +820,7 @@ fn managed_collisions_on_cached_tables_train_like_tables_in_memory() {
         let log = std::fs::read_to_string(root.join(format!("mc-cached-{world}")).join("metrics.jsonl")).unwrap();
         assert!(log.contains("cache/ta") && !log.contains("\"cache/tb"), "only ta is cached: {log}");
     }
+    remove_own_outs();
 }
 
 #[test]
@@ -833,6 +852,7 @@ fn execute_all_batches_false_drops_the_batch_in_flight_at_each_epochs_end() {
         );
         assert_eq!(base.steps, 10);
     }
+    remove_own_outs();
 }
 
 #[test]
