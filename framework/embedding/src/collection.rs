@@ -181,12 +181,7 @@ impl Core {
                     None => dispatch!(&mut group, tbe => tbe.init_uniform(local, bound, key)),
                     Some(cache) => {
                         let spr = tables[t].optimizer.state_per_row(c.dim);
-                        let dim = c.dim;
-                        let block = c.init_block.clone();
-                        let init = move |rows: std::ops::Range<u64>| match &block {
-                            Some(b) => b.rows(rows),
-                            None => crate::tbe::init_uniform_block(key, bound, dim, rows, 0..dim),
-                        };
+                        let init = table_initial(seed, t, c);
                         caches[t] = Some(RowCache::with_precision(
                             keys[g].precision,
                             &c.name,
@@ -283,12 +278,7 @@ impl Core {
         &self,
         i: usize,
     ) -> impl Fn(std::ops::Range<u64>) -> Vec<f32> + Send + Sync + 'static + use<> {
-        let c = &self.tables[i].config;
-        let (seed, rows, dim, block) = (self.seed, c.rows, c.dim, c.init_block.clone());
-        move |r: std::ops::Range<u64>| match &block {
-            Some(b) => b.rows(r),
-            None => initial_weights(seed, i, rows, dim, r, 0..dim),
-        }
+        table_initial(self.seed, i, &self.tables[i].config)
     }
 
     /// The rows of table `name` that hold anything but their initial weights and zero state,
@@ -787,6 +777,21 @@ pub fn initial_weights(
 ) -> Vec<f32> {
     let (bound, key) = init_params(seed, table, table_rows);
     crate::tbe::init_uniform_block(key, bound, dim, rows, cols)
+}
+
+/// The initial fp32 weights of table number `t` (`config`) of a collection built with `seed`,
+/// as a function of a row range (all columns): its own ([`initial_weights`]), or its block's
+/// of the larger table it is a shard of.
+fn table_initial(
+    seed: u64,
+    t: usize,
+    config: &EmbeddingBagConfig,
+) -> impl Fn(std::ops::Range<u64>) -> Vec<f32> + Send + Sync + 'static + use<> {
+    let (rows, dim, block) = (config.rows, config.dim, config.init_block.clone());
+    move |r: std::ops::Range<u64>| match &block {
+        Some(b) => b.rows(r),
+        None => initial_weights(seed, t, rows, dim, r, 0..dim),
+    }
 }
 
 impl crate::InitBlock {

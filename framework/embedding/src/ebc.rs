@@ -205,7 +205,6 @@ impl EmbeddingBagCollection {
         self.core.caches[self.core.table_index(name)?].as_ref().map(|c| c.stored_rows())
     }
 
-    /// The collection's tables and outputs.
     /// Table `name`'s initial weights as a function of a row range (fp32, all columns): the
     /// values its rows start from, and a cached table's never-written rows read as.
     pub fn initial_rows(
@@ -215,6 +214,7 @@ impl EmbeddingBagCollection {
         Some(self.core.initial_fn(self.core.table_index(name)?))
     }
 
+    /// The collection's tables and outputs.
     pub(crate) fn core(&self) -> &Core {
         &self.core
     }

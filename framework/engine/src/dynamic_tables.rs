@@ -78,9 +78,13 @@ impl DynTable {
         // features one after another), then the rows back in place.
         let n = self.parts.len();
         let mut ids: Vec<Vec<i64>> = vec![Vec::new(); n];
+        // Each id's part, in order (hashed once).
+        let mut part: Vec<usize> = Vec::with_capacity(features.iter().map(|f| f.len()).sum());
         for f in features.iter() {
             for &id in f.iter() {
-                ids[self.part_of(id)].push(id);
+                let pi = self.part_of(id);
+                ids[pi].push(id);
+                part.push(pi);
             }
         }
         for (pi, part_ids) in ids.iter_mut().enumerate() {
@@ -88,9 +92,10 @@ impl DynTable {
             self.push_resets(seed, pi, fresh, out);
         }
         let mut at = vec![0usize; n];
+        let mut part = part.into_iter();
         for f in features.iter_mut() {
             for id in f.iter_mut() {
-                let pi = self.part_of(*id);
+                let pi = part.next().expect("a part for every id");
                 let row = ids[pi][at[pi]];
                 at[pi] += 1;
                 *id = if row == NOT_ADMITTED { NOT_ADMITTED } else { row + self.parts[pi].rows.start as i64 };

@@ -50,16 +50,22 @@ struct Out<'a> {
 }
 
 impl<'a> Out<'a> {
-    fn data(name: String, t: TensorData) -> Self {
+    /// A tensor held in memory, written to file `out`.
+    fn data(name: String, t: TensorData, out: &'a Path) -> Self {
         let (dtype, shape, bytes) = (t.dtype_name(), t.shape().to_vec(), t.into_bytes());
         Self {
             name,
             dtype,
             shape,
             bytes: bytes.len() as u64,
-            write: Box::new(move |w| w.write_all(&bytes).map_err(|e| EngineError::Internal(format!("export: {e}")))),
+            write: Box::new(move |w| w.write_all(&bytes).map_err(write_error(out))),
         }
     }
+}
+
+/// A failed write of the export file `out` (a full disk), naming the file.
+fn write_error(out: &Path) -> impl Fn(std::io::Error) -> EngineError + '_ {
+    move |source| EngineError::Io { path: out.to_path_buf(), source }
 }
 
 /// Exports checkpoint `dir` (a `step-<N>` directory) to `out`, written through a temporary
@@ -87,8 +93,7 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
                     let mut block = Block::whole(&name, shape);
                     block.rows = r..end;
                     let chunk = ck.assemble_shard(&block, &[])?;
-                    w.write_all(bytemuck::cast_slice(&chunk.weights))
-                        .map_err(|e| EngineError::Internal(format!("export: {e}")))?;
+                    w.write_all(bytemuck::cast_slice(&chunk.weights)).map_err(write_error(out))?;
                     r = end;
                 }
                 Ok(())
@@ -107,7 +112,7 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
                 "F64" => TensorData::f64(shape, &ck.f64(name)?.1),
                 _ => TensorData::f32(shape, &ck.f32(name)?.1),
             };
-            tensors.push(Out::data(name.clone(), data));
+            tensors.push(Out::data(name.clone(), data, out));
             dense += 1;
         } else if let Some(prefix) = name.strip_suffix(".ids").filter(|n| n.starts_with("dynamic.")) {
             // A dynamic table's map (or one partition's): the raw id each live row holds, rows
@@ -146,10 +151,12 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
                 }
             }
         }
-        tensors.push(Out::data(format!("dynamic_tables.{table}.ids"), TensorData::i64(vec![all.len()], &all)));
+        let ids = TensorData::i64(vec![all.len()], &all);
+        tensors.push(Out::data(format!("dynamic_tables.{table}.ids"), ids, out));
     }
     for (table, ids) in mc_ids {
-        tensors.push(Out::data(format!("managed_collisions.{table}.ids"), TensorData::i64(vec![ids.len()], &ids)));
+        let ids = TensorData::i64(vec![ids.len()], &ids);
+        tensors.push(Out::data(format!("managed_collisions.{table}.ids"), ids, out));
     }
     // The safetensors header: metadata, then each tensor's type, shape and byte range in the
     // order written.
@@ -177,9 +184,8 @@ pub fn export(dir: &Path, out: &Path) -> Result<ExportSummary, EngineError> {
         std::fs::create_dir_all(parent).map_err(|e| EngineError::Io { path: parent.to_path_buf(), source: e })?;
     }
     crate::run_dir::write_atomic_with(out, |w| {
-        let io = |e: std::io::Error| EngineError::Io { path: out.to_path_buf(), source: e };
-        w.write_all(&(head.len() as u64).to_le_bytes()).map_err(io)?;
-        w.write_all(&head).map_err(io)?;
+        w.write_all(&(head.len() as u64).to_le_bytes()).map_err(write_error(out))?;
+        w.write_all(&head).map_err(write_error(out))?;
         for t in tensors {
             (t.write)(w)?;
         }

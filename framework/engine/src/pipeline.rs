@@ -183,12 +183,7 @@ impl Pipeline {
             // lookup, after the previous batch's update.
             let (b, resets) = match self.remapped.take() {
                 Some(staged) => staged,
-                None => {
-                    let mut b = batch.clone();
-                    expand_vbe(&mut b.sparse)?;
-                    let resets = mc.train(&mut b.sparse, pg)?;
-                    (b, resets)
-                }
+                None => remap(mc, batch, pg)?,
             };
             for (table, rows, key) in resets {
                 arch.reset_rows(&table, &rows, key)?;
@@ -412,15 +407,20 @@ impl Stage<'_> {
         };
         // The statistics the steps up to now report (the maps are about to count the next
         // batch); replicated maps: no collective.
-        let mut reported = mc.metric_values(pg)?;
-        reported.extend(mc.dynamic.metric_values(pg)?);
-        mc.reported = Some(reported);
-        let mut b = self.next.clone();
-        expand_vbe(&mut b.sparse)?;
-        let resets = mc.train(&mut b.sparse, pg)?;
+        mc.reported = Some(mc.report(pg)?);
+        let (b, resets) = remap(mc, self.next, pg)?;
         let ctx = self.engine.stage(&b.sparse, &batch_parts(&b), self.prefetch)?;
         Ok((ctx, Some((b, resets))))
     }
+}
+
+/// A training batch with its raw ids counted and remapped by the job's id maps (one bag per
+/// example), and the rows the remap handed to new ids.
+fn remap(mc: &mut McTables, batch: &Batch, pg: Option<&dyn ProcessGroup>) -> Result<(Batch, Resets), EngineError> {
+    let mut b = batch.clone();
+    expand_vbe(&mut b.sparse)?;
+    let resets = mc.train(&mut b.sparse, pg)?;
+    Ok((b, resets))
 }
 
 /// What a step's dense part uses of a job (apart from the sparse arch, which may be

@@ -715,14 +715,18 @@ impl Checkpoint {
 
     /// Rows `rows` of 2-D float tensor `name`, with the tensor's shape.
     pub(super) fn f32_rows(&self, name: &str, rows: Range<usize>) -> Result<(Vec<usize>, Vec<f32>), CheckpointError> {
-        let (shape, bytes) = self.raw_rows(name, Dtype::F32, Some(rows))?;
+        self.floats(name, Some(rows))
+    }
+
+    /// A float tensor (rows `rows` of it, when given) with its shape.
+    fn floats(&self, name: &str, rows: Option<Range<usize>>) -> Result<(Vec<usize>, Vec<f32>), CheckpointError> {
+        let (shape, bytes) = self.raw_rows(name, Dtype::F32, rows)?;
         Ok((shape, bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()))
     }
 
     /// A float tensor with its shape.
     pub fn f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), CheckpointError> {
-        let (shape, bytes) = self.raw(name, Dtype::F32)?;
-        Ok((shape, bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()))
+        self.floats(name, None)
     }
 
     /// A double tensor with its shape.

@@ -168,26 +168,24 @@ impl Job {
         }
         // Dynamic tables: each map saved once, by its owner (or the lead when every rank runs
         // it).
-        {
-            for (table, part, parts, s) in self.mc.dynamic.states(lead) {
-                let p = dynamic_prefix(&table, part, parts);
-                // The live rows alone, with their ids, counts and last steps.
-                let rows: Vec<u64> = s.rows.iter().map(|&r| u64::from(r)).collect();
-                contents.tensors.push((format!("{p}.rows"), TensorData::u64s(&rows)));
-                contents.tensors.push((format!("{p}.ids"), TensorData::i64(vec![s.ids.len()], &s.ids)));
-                contents.tensors.push((format!("{p}.counts"), TensorData::u64s(&s.counts)));
-                contents.tensors.push((format!("{p}.last"), TensorData::u64s(&s.last)));
-                // Two 32-bit counters to a value.
-                let sketch: Vec<u64> = s
-                    .sketch
-                    .chunks(2)
-                    .map(|c| u64::from(c[0]) | (u64::from(c.get(1).copied().unwrap_or(0)) << 32))
-                    .collect();
-                contents.tensors.push((format!("{p}.sketch"), TensorData::u64s(&sketch)));
-                let st = &s.stats;
-                let meta = [s.step, st.admitted, st.rejected, st.expired, st.evicted, st.lookups, s.sketch_added];
-                contents.tensors.push((format!("{p}.meta"), TensorData::u64s(&meta)));
-            }
+        for (table, part, parts, s) in self.mc.dynamic.states(lead) {
+            let p = dynamic_prefix(&table, part, parts);
+            // The live rows alone, with their ids, counts and last steps.
+            let rows: Vec<u64> = s.rows.iter().map(|&r| u64::from(r)).collect();
+            contents.tensors.push((format!("{p}.rows"), TensorData::u64s(&rows)));
+            contents.tensors.push((format!("{p}.ids"), TensorData::i64(vec![s.ids.len()], &s.ids)));
+            contents.tensors.push((format!("{p}.counts"), TensorData::u64s(&s.counts)));
+            contents.tensors.push((format!("{p}.last"), TensorData::u64s(&s.last)));
+            // Two 32-bit counters to a value.
+            let sketch: Vec<u64> = s
+                .sketch
+                .chunks(2)
+                .map(|c| u64::from(c[0]) | (u64::from(c.get(1).copied().unwrap_or(0)) << 32))
+                .collect();
+            contents.tensors.push((format!("{p}.sketch"), TensorData::u64s(&sketch)));
+            let st = &s.stats;
+            let meta = [s.step, st.admitted, st.rejected, st.expired, st.evicted, st.lookups, s.sketch_added];
+            contents.tensors.push((format!("{p}.meta"), TensorData::u64s(&meta)));
         }
         let header = if lead {
             let vars: BTreeMap<String, Tensor> = self.vs.variables().into_iter().collect();
@@ -320,14 +318,19 @@ impl Job {
         self.mc.attach(&mut self.sparse, &self.recipe, &self.plan)?;
 
         // Dynamic tables: every map (each rank runs its own, or all of them).
-        let maps: Vec<(String, usize, usize)> = self
+        let maps: Vec<(String, usize, usize, usize)> = self
             .mc
             .dynamic
             .tables
             .iter()
-            .flat_map(|t| (0..t.parts.len()).map(move |pi| (t.name.clone(), pi, t.parts.len())))
+            .flat_map(|t| {
+                t.parts.iter().enumerate().map(move |(pi, p)| {
+                    let c = p.table.config();
+                    (t.name.clone(), pi, t.parts.len(), c.sketch_width * c.sketch_depth)
+                })
+            })
             .collect();
-        for (name, part, parts) in maps {
+        for (name, part, parts, counters) in maps {
             let p = dynamic_prefix(&name, part, parts);
             if !ck.manifest.tensors.contains_key(&format!("{p}.ids")) {
                 return Err(incompatible(
@@ -344,10 +347,6 @@ impl Job {
                 ));
             };
             let mut sketch: Vec<u32> = u64s("sketch")?.into_iter().flat_map(|c| [c as u32, (c >> 32) as u32]).collect();
-            let counters =
-                self.mc.dynamic.tables.iter().find(|t| t.name == name).map_or(0, |t| {
-                    t.parts[part].table.config().sketch_width * t.parts[part].table.config().sketch_depth
-                });
             sketch.truncate(counters);
             let (mut ids, mut counts, mut last) = (ck.i64(&format!("{p}.ids"))?.1, u64s("counts")?, u64s("last")?);
             let rows: Vec<u32> = if ck.has(&format!("{p}.rows")) {
