@@ -10,6 +10,10 @@ trainrec's fused `sgd`, which sums each row's gradients as the dense gradient of
 EmbeddingBag weight does); loss: mean binary cross-entropy with logits. SimpleDeepFMNN ends in a
 Sigmoid: it is replaced by an Identity so the model returns the logit (trainrec's DeepFM does).
 
+`losses_bf16`: the same model from the same initial weights on the same batches, its forward under
+`torch.autocast("cpu", dtype=torch.bfloat16)` (the loss on the fp32 logits, the backward after the
+region), as trainrec's `train.dense_precision = "bf16"` trains.
+
 Regenerate (from the repository root, with the TorchRec anchor venv of ../shared/bench/anchors):
 
     ~/.cache/trainrec-anchors/venv/bin/python scripts/anchors/trajectory_fixture.py
@@ -68,6 +72,24 @@ def batches(gen):
     return out
 
 
+def train(model, data, bf16):
+    """SGD on every parameter over `data`; the per-step losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for b in data:
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=torch.tensor(b["values"]),
+                                                  lengths=torch.tensor(b["lengths"]))
+        dense = torch.tensor(b["dense"]).view(BATCH, NUM_DENSE)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(dense_features=dense, sparse_features=kjt).view(-1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), torch.tensor(b["labels"]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     for name, config, make in models():
@@ -76,27 +98,20 @@ def main():
         params = {n: {"shape": list(p.shape), "values": p.detach().reshape(-1).tolist()}
                   for n, p in model.named_parameters()}
         data = batches(torch.Generator().manual_seed(7))
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        losses = []
-        for b in data:
-            kjt = KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=torch.tensor(b["values"]),
-                                                      lengths=torch.tensor(b["lengths"]))
-            dense = torch.tensor(b["dense"]).view(BATCH, NUM_DENSE)
-            logits = model(dense_features=dense, sparse_features=kjt).view(-1)
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, torch.tensor(b["labels"]))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = train(model, data, bf16=False)
+        torch.manual_seed(2026)
+        losses_bf16 = train(make(), data, bf16=True)
         doc = {"generator": "scripts/anchors/trajectory_fixture.py",
                "torchrec": importlib.metadata.version("torchrec"), "torch": torch.__version__,
                "model": config, "rows": ROWS, "dim": DIM, "num_dense": NUM_DENSE, "batch": BATCH, "lr": LR,
-               "keys": KEYS, "params": params, "batches": data, "losses": losses}
+               "keys": KEYS, "params": params, "batches": data, "losses": losses,
+               "losses_bf16": losses_bf16}
         path = os.path.join(OUT, f"{name}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(doc, f, separators=(",", ":"))
         os.replace(path + ".tmp", path)
-        print(name, "losses", losses[0], "->", losses[-1], "params", sorted(params))
+        print(name, "losses", losses[0], "->", losses[-1], "bf16", losses_bf16[0], "->", losses_bf16[-1],
+              "params", sorted(params))
 
 
 if __name__ == "__main__":

@@ -258,6 +258,11 @@ pub struct DlrmArgs {
     /// `trainrec eval --quantize` does.
     #[arg(long, value_parser = trainrec_types::cli::word::<trainrec_embedding::quant::QuantPrecision>())]
     pub quantize: Option<trainrec_embedding::quant::QuantPrecision>,
+    /// The precision of the dense model's matrix products (the recipe's
+    /// `train.dense_precision`): `fp32`, or `bf16` (mixed precision as `torch.autocast` runs
+    /// it, fp32 master weights).
+    #[arg(long, default_value = "fp32", value_parser = trainrec_types::cli::word::<trainrec_types::DensePrecision>())]
+    pub dense_precision: trainrec_types::DensePrecision,
 }
 
 /// Flags of `trainrec bench data`.
@@ -576,6 +581,7 @@ pub fn run(which: BenchCommand) -> ExitCode {
                 prefetch: a.prefetch,
                 zipf_alpha: a.zipf_alpha,
                 quantize: a.quantize,
+                dense_precision: a.dense_precision,
                 ..a.shape.bench()
             };
             print_bench(crate::dlrm::run(&bench))

@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 use tch::{Device, Tensor, nn};
 use trainrec_data::{Batch, FeatureSchema};
 use trainrec_embedding::EmbeddingBagCollection;
-use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
+use trainrec_models::{Autocast, DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{LoadOptions, LoadedRecipe};
 use trainrec_sparse::KeyedJaggedTensor;
 
@@ -115,6 +115,8 @@ pub struct DlrmBench {
     pub zipf_alpha: Option<f64>,
     /// Inference with quantized tables (`trainrec eval --quantize`); `None`: fp32.
     pub quantize: Option<trainrec_embedding::quant::QuantPrecision>,
+    /// The precision of the dense model's matrix products (`train.dense_precision`).
+    pub dense_precision: trainrec_types::DensePrecision,
 }
 
 impl Default for DlrmBench {
@@ -141,6 +143,7 @@ impl Default for DlrmBench {
             cache_load_factor: None,
             key_value: false,
             quantize: None,
+            dense_precision: trainrec_types::DensePrecision::Fp32,
             offload_dir: None,
             prefetch: false,
             zipf_alpha: None,
@@ -191,12 +194,13 @@ pub(crate) fn recipe_toml(b: &DlrmBench, out_dir: &std::path::Path) -> String {
         "[model]\nkind = \"dlrm\"\ndense_arch = [{}]\nover_arch = [{}]\n\n\
          [optimizer]\nsparse = {{ kind = \"rowwise_adagrad\", lr = {lr:e}, eps = {eps:e} }}\n\
          dense = {{ kind = \"adagrad\", lr = {lr:e} }}\n\n\
-         [train]\nsteps = {steps}\nprogress = false\n",
+         [train]\nsteps = {steps}\nprogress = false\ndense_precision = \"{precision}\"\n",
         list(&b.dense_arch),
         list(&b.over_arch),
         lr = b.lr,
         eps = b.eps,
         steps = (b.warmup + b.steps).max(1),
+        precision = trainrec_types::Word::name(b.dense_precision),
     ));
     s
 }
@@ -308,6 +312,8 @@ struct Parts {
     model: Box<dyn DenseModel>,
     dense_opt: DenseOptimizer,
     num_dense: usize,
+    /// `train.dense_precision`.
+    precision: trainrec_types::DensePrecision,
 }
 
 impl Parts {
@@ -324,7 +330,8 @@ impl Parts {
         let factory = registry.model_for(kind).ok_or_else(|| format!("no model {kind}"))?;
         let model = factory.build(&vs.root(), &recipe.model.config(), &inputs).map_err(|e| e.to_string())?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense).map_err(|e| e.to_string())?;
-        Ok(Self { ebc, quant: None, _vs: vs, model, dense_opt, num_dense: features.num_dense })
+        let (num_dense, precision) = (features.num_dense, recipe.train.dense_precision);
+        Ok(Self { ebc, quant: None, _vs: vs, model, dense_opt, num_dense, precision })
     }
 
     /// Eval-mode logits `[batch, 1]` under `no_grad`; the EBC writes its output straight into
@@ -334,7 +341,8 @@ impl Parts {
         let sparse = self.pooled_tensor(batch)?;
         Ok(tch::no_grad(|| {
             let dense = Tensor::from_slice(&batch.dense).view([b, self.num_dense as i64]);
-            self.model.forward(&dense, &sparse, false)
+            Autocast::run(self.precision, Device::Cpu, || self.model.forward(&dense, &sparse, false))
+                .to_kind(tch::Kind::Float)
         }))
     }
 
@@ -368,7 +376,8 @@ impl Parts {
         let labels = Tensor::from_slice(&batch.labels).view([b, 1]);
         let sparse = sparse.set_requires_grad(true);
         lap(1, t);
-        let logits = self.model.forward(&dense, &sparse, true);
+        let logits = Autocast::run(self.precision, Device::Cpu, || self.model.forward(&dense, &sparse, true))
+            .to_kind(tch::Kind::Float);
         let loss = logits.binary_cross_entropy_with_logits::<Tensor>(&labels, None, None, tch::Reduction::Mean);
         lap(2, t);
         self.dense_opt.zero_grad();
@@ -437,11 +446,17 @@ fn summaries(ts: &[f64], batch: usize) -> (Value, Value, Value) {
 /// product and, in training, its gradient (one batched product, as the DLRM computes it).
 /// Medians over `steps` calls after `warmup`, in milliseconds. No fp32 implementation of the
 /// step (trainrec's or TorchRec's, both on MKL) runs faster than their sum; the rest of the
-/// step is embeddings and element-wise work.
+/// step is embeddings and element-wise work. With `--dense-precision bf16` the products run on
+/// bf16 operands, as autocast runs them: the floor of a bf16 step.
 fn gemm_floor(b: &DlrmBench) -> Value {
     let train = b.mode == DlrmMode::Train;
     let (batch, n, dim) = (b.batch as i64, b.num_sparse as i64 + 1, b.dim as i64);
-    let opts = (tch::Kind::Float, Device::Cpu);
+    // bf16: the products autocast runs, on bf16 operands.
+    let kind = match b.dense_precision {
+        trainrec_types::DensePrecision::Fp32 => tch::Kind::Float,
+        trainrec_types::DensePrecision::Bf16 => tch::Kind::BFloat16,
+    };
+    let opts = (kind, Device::Cpu);
     let time = |f: &mut dyn FnMut()| {
         for _ in 0..b.warmup {
             f();
@@ -652,6 +667,7 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
             "quantize": b.quantize.map(trainrec_types::Word::name),
             "offload_kernel": b.cache_load_factor.map(|_| if b.key_value { "key_value" } else { "fused_uvm_caching" }),
             "prefetch": b.prefetch,
+            "dense_precision": trainrec_types::Word::name(b.dense_precision),
         },
         "step": step,
         "ms_per_step": ms,

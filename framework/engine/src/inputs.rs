@@ -102,6 +102,8 @@ pub(crate) struct BatchLayout {
     pub weighted: bool,
     /// The dense model's device.
     pub device: Device,
+    /// The precision of the dense model's matrix products (`train.dense_precision`).
+    pub precision: trainrec_types::DensePrecision,
 }
 
 /// The recipe's embedding tables as one collection with their fused optimizers and bounds

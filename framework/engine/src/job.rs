@@ -224,6 +224,7 @@ impl Job {
         let recipe_pipeline_kind = recipe.pipeline.kind;
         let (task_loss_weights, weighted) = (crate::inputs::task_loss_weights(&recipe, features), sampler.weighted());
         let gradient_clip = crate::inputs::gradient_clip_columns(&recipe);
+        let precision = recipe.train.dense_precision;
         Ok(Self {
             recipe,
             resolved_toml,
@@ -241,6 +242,7 @@ impl Job {
                 gradient_clip,
                 weighted,
                 device,
+                precision,
             },
             plugin_metrics,
             plan,

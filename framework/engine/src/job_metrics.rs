@@ -11,6 +11,7 @@ use trainrec_metrics::{
     AucMetric, AuprcMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SessionMetric, SessionMetricKind,
     SplitAuprc, SumMetric, SumMetricKind, TaskBatch,
 };
+use trainrec_models::Autocast;
 use trainrec_recipe::MetricSection;
 
 use crate::error::EngineError;
@@ -26,11 +27,14 @@ struct RecallAtK {
     ks: Vec<usize>,
     hits: Vec<u64>,
     pairs: u64,
+    /// The precision the query tower computes in.
+    precision: trainrec_types::DensePrecision,
 }
 
 impl RecallAtK {
-    fn new(spec: &RetrievalSpec, corpus: Tensor) -> Self {
-        Self { corpus, input: spec.input.clone(), ks: spec.ks.clone(), hits: vec![0; spec.ks.len()], pairs: 0 }
+    fn new(spec: &RetrievalSpec, corpus: Tensor, precision: trainrec_types::DensePrecision) -> Self {
+        let (input, ks, hits) = (spec.input.clone(), spec.ks.clone(), vec![0; spec.ks.len()]);
+        Self { corpus, input, ks, hits, pairs: 0, precision }
     }
 
     fn update(
@@ -59,7 +63,10 @@ impl RecallAtK {
         let rows_t = Tensor::from_slice(&rows).to_device(dense.device());
         let kmax = (*self.ks.iter().max().unwrap_or(&1) as i64).min(self.corpus.size()[0]);
         let top = tch::no_grad(|| {
-            let q = retrieval.query_embeddings(&dense.index_select(0, &rows_t), &sparse.index_select(0, &rows_t));
+            let q = Autocast::run(self.precision, dense.device(), || {
+                retrieval.query_embeddings(&dense.index_select(0, &rows_t), &sparse.index_select(0, &rows_t))
+            })
+            .to_kind(tch::Kind::Float);
             q.matmul(&self.corpus.transpose(0, 1)).topk(kmax, 1, true, true).1
         });
         let top: Vec<i64> = Vec::try_from(top.to_device(tch::Device::Cpu).contiguous().view([-1]))
@@ -108,6 +115,13 @@ impl Job {
         self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size)
     }
 
+    /// The model's eval-mode logits `[batch, tasks]` in fp32 (on the model's device), the
+    /// matrix products in `train.dense_precision`.
+    fn eval_logits(&self, dense: &Tensor, sparse: &Tensor) -> Tensor {
+        Autocast::run(self.layout.precision, self.layout.device, || self.model.forward(dense, sparse, false))
+            .to_kind(Kind::Float)
+    }
+
     /// The model's logits `[batch, tasks]` (fp32, on the CPU) for one batch of one rank's job,
     /// as an evaluation computes them (managed-collision ids remapped without counting).
     pub fn predict_logits(&self, mut batch: Batch) -> Result<Tensor, EngineError> {
@@ -117,7 +131,7 @@ impl Job {
         }
         let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
         let (dense, sparse, _, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
-        Ok(tch::no_grad(|| self.model.forward(&dense, &sparse, false).to_kind(Kind::Float).to_device(Device::Cpu)))
+        Ok(tch::no_grad(|| self.eval_logits(&dense, &sparse).to_device(Device::Cpu)))
     }
 
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
@@ -129,7 +143,7 @@ impl Job {
         let limit = self.recipe.train.eval_batches.unwrap_or(u64::MAX);
         let mut seen = 0u64;
         let mut recall = match &self.retrieval {
-            Some(r) => Some(RecallAtK::new(r, self.corpus_embeddings(r)?)),
+            Some(r) => Some(RecallAtK::new(r, self.corpus_embeddings(r)?, self.layout.precision)),
             None => None,
         };
         let mut batches = self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize);
@@ -160,9 +174,7 @@ impl Job {
             };
             let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
             let (dense, sparse, labels, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
-            let probs = tch::no_grad(|| {
-                self.model.forward(&dense, &sparse, false).sigmoid().to_kind(Kind::Float).to_device(Device::Cpu)
-            });
+            let probs = tch::no_grad(|| self.eval_logits(&dense, &sparse).sigmoid().to_device(Device::Cpu));
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
             seen += self.feed_all_ranks(&mut suites, &probs, &batch)? as u64;
@@ -224,7 +236,10 @@ impl Job {
                 .map_err(|e| EngineError::Data(e.into()))?;
             let sparse = self.sparse.forward(&kjt, &mut trainrec_embedding::BatchContext::default())?;
             let sparse = sparse.to_device(self.vs.device());
-            parts.push(tch::no_grad(|| retrieval.candidate_embeddings(&sparse)));
+            parts.push(tch::no_grad(|| {
+                Autocast::run(self.layout.precision, sparse.device(), || retrieval.candidate_embeddings(&sparse))
+                    .to_kind(Kind::Float)
+            }));
             start += n as u64;
         }
         Ok(Tensor::cat(&parts, 0))

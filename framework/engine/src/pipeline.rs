@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 use trainrec_comm::ProcessGroup;
 use trainrec_data::{Batch, BatchStream, DataError};
 use trainrec_embedding::{BatchContext, EmbeddingEngine};
-use trainrec_models::{DenseModel, DenseOptimizer, LossInput};
+use trainrec_models::{Autocast, DenseModel, DenseOptimizer, LossInput};
 use trainrec_recipe::PipelineKind;
 
 use crate::data_parallel::DataParallel;
@@ -220,6 +220,7 @@ impl Pipeline {
             tasks: layout.tasks.len(),
             task_loss_weights: layout.task_loss_weights.as_deref(),
             clipping,
+            precision: (layout.precision, layout.device),
         };
         let prefetch = self.kind == PipelineKind::PrefetchSparseDist;
         let remaps = !mc.is_empty();
@@ -423,6 +424,13 @@ fn remap(mc: &mut McTables, batch: &Batch, pg: Option<&dyn ProcessGroup>) -> Res
     Ok((b, resets))
 }
 
+/// What a training forward gives: the model's own objective (and its scores when predictions
+/// are wanted), or logits for the built-in loss.
+enum Forward {
+    Objective(Tensor, Option<Tensor>),
+    Logits(Tensor),
+}
+
 /// What a step's dense part uses of a job (apart from the sparse arch, which may be
 /// prefetching meanwhile).
 struct DenseParts<'a> {
@@ -433,6 +441,8 @@ struct DenseParts<'a> {
     /// Each task's weight in the loss (`None`: all 1).
     task_loss_weights: Option<&'a [f64]>,
     clipping: Option<&'a trainrec_types::DenseClipping>,
+    /// The precision of the model's matrix products, and the model's device.
+    precision: (trainrec_types::DensePrecision, Device),
 }
 
 /// One batch's tensors for the dense part of a step: dense features, pooled embeddings (a leaf
@@ -467,14 +477,22 @@ impl DenseParts<'_> {
         // With sample weights the built-in loss is already this rank's share of the global
         // batch's (its denominator is the global weight sum).
         let mut global_share = false;
-        let (loss, logits) = match self.model.loss(&input) {
-            // The model's own objective; predictions (for training metrics) are its scores.
+        // The forward in `train.dense_precision` (an autocast region), the loss and backward
+        // in fp32 from its fp32 outputs, as under `torch.autocast`.
+        let (precision, device) = self.precision;
+        let model = &mut *self.model;
+        let forward = Autocast::run(precision, device, || match model.loss(&input) {
             Some(loss) => {
-                let logits = want_predictions.then(|| tch::no_grad(|| self.model.forward(dense, sparse, true)));
-                (loss, logits)
+                let scores = want_predictions.then(|| tch::no_grad(|| model.forward(dense, sparse, true)));
+                Forward::Objective(loss, scores)
             }
-            None => {
-                let logits = self.model.forward(dense, sparse, true);
+            None => Forward::Logits(model.forward(dense, sparse, true)),
+        });
+        let (loss, logits) = match forward {
+            // The model's own objective; predictions (for training metrics) are its scores.
+            Forward::Objective(loss, scores) => (loss.to_kind(Kind::Float), scores.map(|s| s.to_kind(Kind::Float))),
+            Forward::Logits(logits) => {
+                let logits = logits.to_kind(Kind::Float);
                 let loss = match (weights, self.task_loss_weights) {
                     // The sum over tasks of each task's mean binary cross entropy (one task: the mean).
                     (None, None) => {

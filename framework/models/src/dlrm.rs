@@ -36,6 +36,12 @@ pub struct Dlrm {
     lower: Tensor,
 }
 
+/// `positions` `[P]` as a `[batch, P]` gather index (a stride-0 view, no copy): a gather along
+/// the columns is about twice as fast as `index_select` on the CPU, four times in bf16.
+fn gather_index(positions: &Tensor, batch: i64) -> Tensor {
+    positions.unsqueeze(0).expand([batch, -1], false)
+}
+
 /// [`mlp::mlp`] (same layers and parameter names) with each ReLU applied in place on its
 /// layer's fresh output: one activation-sized allocation and write fewer per layer, forward
 /// and backward (a linear layer's backward does not read its output).
@@ -83,17 +89,24 @@ impl Dlrm {
     /// detached and the output reads both mirrored entries, `upper + lower - upper.detach()`
     /// (the value of one dot): the backward is then a single batched product `(G + G^T) X`
     /// instead of autograd's two, whose transposed half also costs a strided sum.
+    ///
+    /// Under bf16 autocast the dense arch's output `d` is bf16; the pooled embeddings (fp32)
+    /// are cast to it before the concatenation, which then moves half the bytes and hands the
+    /// batched product bf16 operands (autocast would cast the fp32 concatenation, twice: once
+    /// per factor).
     fn interaction(&self, d: &Tensor, sparse: &Tensor) -> Tensor {
         let batch = d.size()[0];
         let n = self.num_sparse + 1;
         let emb = sparse.view([batch, self.num_sparse, self.dim]);
+        let emb = if emb.kind() == d.kind() { emb } else { emb.to_kind(d.kind()) };
         let all = Tensor::cat(&[&d.unsqueeze(1), &emb], 1);
+        let upper = gather_index(&self.upper, batch);
         let pairs = if all.requires_grad() {
             let gram = all.bmm(&all.detach().transpose(1, 2)).view([batch, n * n]);
-            gram.index_select(1, &self.upper) + gram.index_select(1, &self.lower)
-                - gram.detach().index_select(1, &self.upper)
+            let lower = gather_index(&self.lower, batch);
+            gram.gather(1, &upper, false) + gram.gather(1, &lower, false) - gram.detach().gather(1, &upper, false)
         } else {
-            all.bmm(&all.transpose(1, 2)).view([batch, n * n]).index_select(1, &self.upper)
+            all.bmm(&all.transpose(1, 2)).view([batch, n * n]).gather(1, &upper, false)
         };
         Tensor::cat(&[d, &pairs], 1)
     }
@@ -232,6 +245,46 @@ mod tests {
         // Eval mode (no grad) gives the same logits.
         let eval: Vec<f32> = tch::no_grad(|| Vec::try_from(m.forward(&dense, &emb, false).view([-1])).unwrap());
         assert!(close(&want_l, &eval), "{want_l:?} vs {eval:?}");
+    }
+
+    /// Under bf16 autocast the model computes in bf16 (bf16 logits) and tracks the fp32 model:
+    /// logits and every gradient (the embeddings' and each fp32 parameter's) agree to bf16's
+    /// precision, the parameters' gradients stay fp32.
+    #[test]
+    fn bf16_autocast_tracks_fp32() {
+        tch::manual_seed(4);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = DlrmConfig { dense_arch: vec![32, 16], over_arch: vec![32, 1] };
+        let m = Dlrm::new(&vs.root(), &cfg, 5, 6);
+        let opts = (tch::Kind::Float, tch::Device::Cpu);
+        let (dense, emb) = (Tensor::rand([64, 5], opts), Tensor::randn([64, 6 * 16], opts) * 0.3);
+        let run = |precision| {
+            let sparse = emb.detach().set_requires_grad(true);
+            let logits = crate::Autocast::run(precision, tch::Device::Cpu, || m.forward(&dense, &sparse, true));
+            let kind = logits.kind();
+            for v in vs.trainable_variables() {
+                let mut v = v;
+                v.zero_grad();
+            }
+            let logits = logits.to_kind(tch::Kind::Float);
+            logits.square().sum(tch::Kind::Float).backward();
+            let mut grads = vec![sparse.grad()];
+            // Copies: zero_grad clears the same gradient tensors in place on the next run.
+            grads.extend(vs.trainable_variables().iter().map(|v| v.grad().copy()));
+            (kind, logits, grads)
+        };
+        let (k32, l32, g32) = run(trainrec_types::DensePrecision::Fp32);
+        let (k16, l16, g16) = run(trainrec_types::DensePrecision::Bf16);
+        assert_eq!((k32, k16), (tch::Kind::Float, tch::Kind::BFloat16));
+        let rel = |a: &Tensor, b: &Tensor| {
+            let scale = a.abs().max().double_value(&[]).max(1e-12);
+            (a - b).abs().max().double_value(&[]) / scale
+        };
+        assert!(rel(&l32, &l16) < 0.03, "logits differ by {}", rel(&l32, &l16));
+        for (i, (a, b)) in g32.iter().zip(&g16).enumerate() {
+            assert_eq!(b.kind(), tch::Kind::Float, "gradient {i}");
+            assert!(rel(a, b) < 0.05, "gradient {i} differs by {}", rel(a, b));
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! tensor `[batch, sum(dims)]` and the engine feeds that tensor's gradient to the fused sparse
 //! update.
 
+pub mod autocast;
 pub mod deepfm;
 pub mod dlrm;
 pub mod dlrm_dcn;
@@ -13,6 +14,7 @@ pub mod optim;
 pub mod script;
 pub mod two_tower;
 
+pub use autocast::Autocast;
 pub use deepfm::{DeepFm, DeepFmConfig, DeepFmFactory};
 pub use dlrm::{Dlrm, DlrmConfig, DlrmFactory};
 pub use dlrm_dcn::{DlrmDcn, DlrmDcnConfig, DlrmDcnFactory};

@@ -542,6 +542,12 @@ pub struct TrainSection {
     /// `export` and `--resume`. `false`: only `checkpoint_every`'s.
     #[serde(default = "defaults::final_checkpoint")]
     pub final_checkpoint: bool,
+    /// The precision of the dense model's matrix products, in training and evaluation:
+    /// `"fp32"`, or `"bf16"` (mixed precision as `torch.autocast(dtype=torch.bfloat16)`: linear
+    /// layers and batched products run in bf16, while the parameters, their gradients and the
+    /// dense optimizer's state stay fp32). Embedding tables keep their own `precision`.
+    #[serde(default)]
+    pub dense_precision: trainrec_types::DensePrecision,
 }
 
 /// `[[metrics]]`: one metric on the eval split.

@@ -6,7 +6,8 @@
 //! - [`feature`]: how a table names its input features (`FeatureRef`).
 //! - [`table`], [`sparse_optimizer`], [`cache`]: a table's pooling, weight precision, bounds
 //!   check, fused optimizer and cache words.
-//! - [`dense_optimizer`]: the dense model's optimizer.
+//! - [`dense_optimizer`], [`dense_precision`]: the dense model's optimizer and the precision it
+//!   computes in.
 //! - [`sharding`]: sharding types, compute kernels, compute devices.
 //! - [`mc`]: managed collisions' eviction policy and settings.
 //! - [`schedule`]: learning-rate schedules (TorchRec's warm-up stages).
@@ -22,6 +23,7 @@ pub mod cache;
 #[cfg(feature = "clap")]
 pub mod cli;
 pub mod dense_optimizer;
+pub mod dense_precision;
 pub mod diagnostic;
 pub mod feature;
 pub mod mc;
@@ -36,6 +38,7 @@ pub mod table;
 pub use block::even_block;
 pub use cache::{CacheBacking, CachePolicy};
 pub use dense_optimizer::{ClippingKind, DenseClipping, DenseOptimizerConfig};
+pub use dense_precision::DensePrecision;
 pub use diagnostic::{Diagnostic, Diagnostics, KeyPath, Origin, Segment, did_you_mean, suggest};
 pub use feature::FeatureRef;
 pub use mc::{McConfig, McEvictionPolicy, McPartition};
@@ -95,6 +98,7 @@ mod tests {
         check::<WarmupPolicy>();
         check::<ClippingKind>();
         check::<ShuffleKind>();
+        check::<DensePrecision>();
     }
 
     #[test]
