@@ -119,6 +119,11 @@ impl DenseModel for Dlrm {
         self.over.forward(&x)
     }
 
+    /// The embeddings only meet the interaction's batched product.
+    fn pooled_in_compute_precision(&self) -> bool {
+        true
+    }
+
     fn torchscript(&self, vars: &Vars, m: &mut ScriptModule) -> Result<(), ModelError> {
         let mut body = Vec::new();
         let d = m.mlp(&mut body, vars, "dense_arch", "dense", true)?;

@@ -62,6 +62,16 @@ pub trait DenseModel: Send {
     /// embeddings `[batch, sum(dims)]`.
     fn forward(&self, dense: &Tensor, sparse: &Tensor, train: bool) -> Tensor;
 
+    /// Whether the model takes its pooled embeddings in the precision its matrix products run
+    /// in (bf16 under `train.dense_precision = "bf16"`) instead of fp32. Only for a model whose
+    /// every use of them is a matrix product, which autocast would cast to bf16 anyway (DLRM's
+    /// interaction): the logits are the same, and with the engine making the cast outside
+    /// autograd their gradient arrives in bf16 without autograd's strided copy back to fp32.
+    /// Default: false (fp32, what TorchRec's embedding modules hand a model).
+    fn pooled_in_compute_precision(&self) -> bool {
+        false
+    }
+
     /// The model's own training objective for a batch, a scalar to minimise (for example the
     /// two-tower model's in-batch softmax). `None`, the default, trains [`DenseModel::forward`]'s
     /// logits with binary cross entropy against the labels.
