@@ -46,6 +46,8 @@ pub(crate) struct Device {
     pub rank: usize,
     pub free: Storage,
     pub perf: Perf,
+    /// `perf.total()`, kept with `perf` (the placement order reads it for every shard).
+    pub total: f64,
     /// Σ shard totals, as [`rate`] counts them.
     pub rating: f64,
 }
@@ -60,6 +62,7 @@ impl Device {
         self.perf.bwd_comms += perf.bwd_comms;
         self.perf.prefetch_compute += perf.prefetch_compute;
         self.perf.input_dist_comms += perf.input_dist_comms;
+        self.total = self.perf.total();
     }
 }
 
@@ -91,7 +94,7 @@ pub(crate) fn offsets(proposal: &[&ShardingOption]) -> Vec<usize> {
 
 /// Ordering of devices for the next shard: least loaded, then spread over hosts, then rank.
 fn device_key(d: &Device, local: usize) -> (f64, usize, usize) {
-    (d.perf.total(), d.rank % local, d.rank)
+    (d.total, d.rank % local, d.rank)
 }
 
 fn less(a: (f64, usize, usize), b: (f64, usize, usize)) -> bool {
@@ -179,9 +182,8 @@ fn device_partition(
 /// Hosts ordered by their devices' summed time (stable).
 fn hosts_by_perf(devices: &[Device], group: usize) -> Vec<usize> {
     let hosts = devices.len() / group;
-    let mut order: Vec<(f64, usize)> = (0..hosts)
-        .map(|h| (devices[h * group..(h + 1) * group].iter().map(|d| d.perf.total()).sum::<f64>(), h))
-        .collect();
+    let mut order: Vec<(f64, usize)> =
+        (0..hosts).map(|h| (devices[h * group..(h + 1) * group].iter().map(|d| d.total).sum::<f64>(), h)).collect();
     order.sort_by(|a, b| a.0.total_cmp(&b.0));
     order.into_iter().map(|(_, h)| h).collect()
 }
@@ -306,6 +308,7 @@ pub(crate) fn greedy(
                 (None, _) => *c,
             },
             perf: Perf::default(),
+            total: 0.0,
             rating: 0.0,
         })
         .collect();

@@ -274,22 +274,28 @@ enum Outcome {
     Pruned,
 }
 
-/// A 128-bit fingerprint of a proposal (two independent hashes): the cache keeps these, not
-/// the proposals (60,000 proposals of 2,000 tables would be half a gigabyte).
-fn key(p: &Proposal) -> u128 {
+/// A 128-bit fingerprint of table `t`'s option `i`: two splitmix64 finalisers of different
+/// seeds. A proposal's fingerprint ([`Search::key`]) is the wrapping sum of its options', so one
+/// table's change updates it in O(1) (the greedy proposer's proposals differ by one table); the
+/// cache keeps these, not the proposals (60,000 proposals of 2,000 tables would be half a
+/// gigabyte).
+fn option_key(t: usize, i: usize) -> u128 {
     let mix = |mut z: u64| {
-        // splitmix64's finaliser.
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     };
-    let (mut a, mut b) = (0x243f_6a88_85a3_08d3u64, 0x1319_8a2e_0370_7344u64);
-    for (t, &i) in p.iter().enumerate() {
-        let x = ((t as u64) << 32) | i as u64;
-        a = mix(a ^ x).wrapping_add(0x9e37_79b9_7f4a_7c15);
-        b = mix(b.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ x);
-    }
+    let x = ((t as u64) << 32) | i as u64;
+    let a = mix(x.wrapping_add(0x243f_6a88_85a3_08d3).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let b = mix(x.wrapping_add(0x1319_8a2e_0370_7344).wrapping_mul(0x2545_f491_4f6c_dd1d) ^ a);
     ((a as u128) << 64) | b as u128
+}
+
+/// A proposal with its fingerprint and its shards' memory, summed.
+struct Candidate {
+    proposal: Proposal,
+    key: u128,
+    total: Storage,
 }
 
 /// The evaluation state shared by the proposers.
@@ -299,13 +305,21 @@ struct Search<'a> {
     space: Space,
     /// Per option: (Σ shard times, slowest shard time).
     scores: Vec<Vec<(f64, f64)>>,
+    /// Per option: its shards' memory, summed.
+    totals: Vec<Vec<Storage>>,
+    /// Per option: [`option_key`].
+    option_keys: Vec<Vec<u128>>,
+    /// Every rank's capacity, summed: a proposal needing more cannot be placed.
+    capacity: Storage,
     /// Outcomes by [`key`] of the proposal.
     cache: HashMap<u128, Outcome>,
     best: Option<(Proposal, Assignment, f64)>,
     num_proposals: usize,
     num_plans: usize,
     num_pruned: usize,
-    last_failure: Option<PartitionFailure>,
+    /// The last proposal that could not be placed (its failure is recomputed for the error
+    /// when no plan fits: most proposals are turned down by their total memory alone).
+    last_no_fit: Option<Proposal>,
     lowest_storage: Option<Storage>,
 }
 
@@ -314,7 +328,31 @@ impl Search<'_> {
         p.iter().enumerate().map(|(t, &i)| &self.space[t][i as usize]).collect()
     }
 
-    fn try_partition(&self, p: &Proposal, bound: Option<f64>) -> Result<(Assignment, f64), PartitionFailure> {
+    /// The proposal's shards' memory, summed.
+    fn total(&self, p: &Proposal) -> Storage {
+        p.iter().enumerate().fold(Storage::default(), |s, (t, &i)| s.plus(&self.totals[t][i as usize]))
+    }
+
+    /// The proposal's fingerprint: the wrapping sum of its options' [`option_key`]s.
+    fn key(&self, p: &Proposal) -> u128 {
+        p.iter().enumerate().fold(0u128, |k, (t, &i)| k.wrapping_add(self.option_keys[t][i as usize]))
+    }
+
+    fn candidate(&self, proposal: Proposal) -> Candidate {
+        Candidate { key: self.key(&proposal), total: self.total(&proposal), proposal }
+    }
+
+    fn try_partition(&self, c: &Candidate, bound: Option<f64>) -> Result<(Assignment, f64), PartitionFailure> {
+        // More memory than all ranks together have: no placement fits (the partitioner would
+        // find that out shard by shard, at length). The error when nothing fits re-partitions
+        // the last such proposal for its message.
+        if !c.total.fits_in(&self.capacity) {
+            return Err(PartitionFailure { table: 0, pruned: false, message: "exceeds the ranks' memory".into() });
+        }
+        self.partition_bounded(&c.proposal, bound)
+    }
+
+    fn partition_bounded(&self, p: &Proposal, bound: Option<f64>) -> Result<(Assignment, f64), PartitionFailure> {
         if let Some(b) = bound {
             // Lower bounds of any placement: the mean rank's time, and the slowest shard.
             let (mut sum, mut max) = (0.0, 0.0f64);
@@ -338,29 +376,29 @@ impl Search<'_> {
         Ok((a, r))
     }
 
-    fn record(&mut self, p: Proposal, result: Result<(Assignment, f64), PartitionFailure>) -> Option<f64> {
+    fn record(&mut self, c: Candidate, result: Result<(Assignment, f64), PartitionFailure>) -> Option<f64> {
         self.num_proposals += 1;
+        let Candidate { proposal: p, key, total } = c;
         match result {
             Ok((a, r)) => {
                 self.num_plans += 1;
+                self.cache.insert(key, Outcome::Fit(r));
                 if self.best.as_ref().is_none_or(|b| r < b.2) {
-                    self.best = Some((p.clone(), a, r));
+                    self.best = Some((p, a, r));
                 }
-                self.cache.insert(key(&p), Outcome::Fit(r));
                 Some(r)
             }
             Err(e) if e.pruned => {
                 self.num_pruned += 1;
-                self.cache.insert(key(&p), Outcome::Pruned);
+                self.cache.insert(key, Outcome::Pruned);
                 None
             }
-            Err(e) => {
-                let total = self.options(&p).iter().fold(Storage::default(), |s, o| s.plus(&o.total_storage()));
+            Err(_) => {
                 if self.lowest_storage.is_none_or(|l| total < l) {
                     self.lowest_storage = Some(total);
                 }
-                self.last_failure = Some(e);
-                self.cache.insert(key(&p), Outcome::NoFit);
+                self.cache.insert(key, Outcome::NoFit);
+                self.last_no_fit = Some(p);
                 None
             }
         }
@@ -369,7 +407,8 @@ impl Search<'_> {
     /// Evaluates one proposal fully (cached), returning its rating when it fits: for proposers
     /// whose next proposal depends on the rating.
     fn evaluate(&mut self, p: Proposal) -> Option<f64> {
-        match self.cache.get(&key(&p)) {
+        let c = self.candidate(p);
+        match self.cache.get(&c.key) {
             Some(Outcome::Fit(r)) => return Some(*r),
             Some(Outcome::NoFit) => return None,
             Some(Outcome::Pruned) => {
@@ -378,32 +417,42 @@ impl Search<'_> {
             }
             None => {}
         }
-        let result = self.try_partition(&p, None);
-        self.record(p, result)
+        let result = self.try_partition(&c, None);
+        self.record(c, result)
     }
 
     /// Evaluates a fixed list of proposals in order, partitioning chunks of new ones in
     /// parallel; each chunk is pruned against the best plan found before it. The best plan
     /// is the same as evaluating one by one: a pruned proposal is slower than one seen earlier.
     fn evaluate_all(&mut self, ps: impl IntoIterator<Item = Proposal>) {
+        let candidates: Vec<Candidate> = ps.into_iter().map(|p| self.candidate(p)).collect();
+        self.evaluate_candidates(candidates);
+    }
+
+    /// [`Search::evaluate_all`] of proposals whose fingerprints and memory are known.
+    fn evaluate_candidates(&mut self, cs: impl IntoIterator<Item = Candidate>) {
         let chunk = 16 * rayon::current_num_threads().max(1);
-        let mut ps = ps.into_iter().peekable();
-        while ps.peek().is_some() {
-            let mut batch: Vec<Proposal> = Vec::with_capacity(chunk);
+        let mut cs = cs.into_iter().peekable();
+        while cs.peek().is_some() {
+            let mut batch: Vec<Candidate> = Vec::with_capacity(chunk);
             let mut keys = std::collections::HashSet::new();
-            for p in ps.by_ref() {
-                let k = key(&p);
-                if !self.cache.contains_key(&k) && keys.insert(k) {
-                    batch.push(p);
+            for c in cs.by_ref() {
+                if !self.cache.contains_key(&c.key) && keys.insert(c.key) {
+                    batch.push(c);
                     if batch.len() == chunk {
                         break;
                     }
                 }
             }
             let bound = self.best.as_ref().map(|b| b.2);
-            let results: Vec<_> = batch.par_iter().map(|p| self.try_partition(p, bound)).collect();
-            for (p, r) in batch.into_iter().zip(results) {
-                self.record(p, r);
+            // Proposals over the ranks' total memory are turned down without the thread pool.
+            let results: Vec<_> = if batch.iter().all(|c| !c.total.fits_in(&self.capacity)) {
+                batch.iter().map(|c| self.try_partition(c, bound)).collect()
+            } else {
+                batch.par_iter().map(|c| self.try_partition(c, bound)).collect()
+            };
+            for (c, r) in batch.into_iter().zip(results) {
+                self.record(c, r);
             }
         }
     }
@@ -416,12 +465,35 @@ impl Search<'_> {
                 g.feedback(r);
             }
         } else {
-            let proposals = std::iter::from_fn(|| {
-                let p = g.propose()?;
-                g.feedback(None);
-                Some(p)
+            // Consecutive proposals differ in one table: their fingerprints and memory follow
+            // in O(1) from the previous one's.
+            let mut running: Option<(u128, Storage)> = None;
+            // Copies (a few MB at most): the stream is consumed while the search records.
+            let (option_keys, totals) = (self.option_keys.clone(), self.totals.clone());
+            let candidates = std::iter::from_fn(|| {
+                let proposal = g.propose()?;
+                let (key, total) = match running {
+                    None => (
+                        proposal
+                            .iter()
+                            .enumerate()
+                            .fold(0u128, |k, (t, &i)| k.wrapping_add(option_keys[t][i as usize])),
+                        proposal
+                            .iter()
+                            .enumerate()
+                            .fold(Storage::default(), |s, (t, &i)| s.plus(&totals[t][i as usize])),
+                    ),
+                    Some(kt) => kt,
+                };
+                if let Some((t, from, to)) = g.feedback(None) {
+                    let (from, to) = (from as usize, to as usize);
+                    let next_key = key.wrapping_sub(option_keys[t][from]).wrapping_add(option_keys[t][to]);
+                    let next_total = total.minus(&totals[t][from]).plus(&totals[t][to]);
+                    running = Some((next_key, next_total));
+                }
+                Some(Candidate { proposal, key, total })
             });
-            self.evaluate_all(proposals);
+            self.evaluate_candidates(candidates);
         }
     }
 
@@ -561,6 +633,8 @@ impl Search<'_> {
             if let Some(shards) = est.shards(table, &inputs, base.sharding_type, kernel, clf, &layout) {
                 let o = ShardingOption { compute_kernel: kernel, cache_load_factor: clf, shards, ..base };
                 self.scores[ti].push((o.sum_shard_perf(), o.max_shard_perf()));
+                self.totals[ti].push(o.total_storage());
+                self.option_keys[ti].push(option_key(ti, self.space[ti].len()));
                 self.space[ti].push(o);
                 p[ti] = (self.space[ti].len() - 1) as u32;
             }
@@ -611,17 +685,23 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let c = &input.config;
     let space = enumerate(&input.tables, &input.topology, c.batch_size, c.cost_model)?;
     let scores = space.iter().map(|o| o.iter().map(|o| (o.sum_shard_perf(), o.max_shard_perf())).collect()).collect();
+    let totals = space.iter().map(|o| o.iter().map(ShardingOption::total_storage).collect()).collect();
+    let option_keys = space.iter().enumerate().map(|(t, o)| (0..o.len()).map(|i| option_key(t, i)).collect()).collect();
+    let capacity = caps.iter().fold(Storage::default(), |a, c| a.plus(c));
     let mut s = Search {
         input,
         caps,
         space,
         scores,
+        totals,
+        option_keys,
+        capacity,
         cache: HashMap::new(),
         best: None,
         num_proposals: 0,
         num_plans: 0,
         num_pruned: 0,
-        last_failure: None,
+        last_no_fit: None,
         lowest_storage: None,
     };
     if !input.tables.is_empty() {
@@ -792,7 +872,7 @@ fn no_fit(s: &Search) -> PlanError {
             narrowed
         );
     }
-    if let Some(f) = &s.last_failure {
+    if let Some(Err(f)) = s.last_no_fit.as_ref().map(|p| s.partition_bounded(p, None)) {
         msg += &format!("\n  last failure: table {}: {}", input.tables[f.table].name, f.message);
     }
     msg += "\n  to fit: add ranks (`topology.world_size`), raise per-rank memory (`topology.hbm_gib` / `topology.ddr_gib`), \
@@ -823,32 +903,72 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
                 .collect(),
         })
         .collect();
+    // What decides most alternatives without placing them: the plan's memory and time summed
+    // over its tables, and its two slowest shards' times (the slowest apart from any one table).
+    let capacity = caps.iter().fold(Storage::default(), |a, c| a.plus(c));
+    let base_total = base.iter().fold(Storage::default(), |a, o| a.plus(&o.total_storage()));
+    let base_sum: f64 = base.iter().map(ShardingOption::sum_shard_perf).sum();
+    let (mut top, mut second) = ((f64::NEG_INFINITY, usize::MAX), f64::NEG_INFINITY);
+    for (t, o) in base.iter().enumerate() {
+        let m = o.max_shard_perf();
+        if m > top.0 {
+            second = top.0;
+            top = (m, t);
+        } else if m > second {
+            second = m;
+        }
+    }
+    let world = input.topology.world_size as f64;
     let runner_ups: Vec<Option<RunnerUp>> = (0..space.len())
         .into_par_iter()
         .map(|t| {
-            let mut best: Option<(f64, &ShardingOption)> = None;
+            let others_total = base_total.minus(&base[t].total_storage());
+            let others_sum = base_sum - base[t].sum_shard_perf();
+            let others_max = if top.1 == t { second } else { top.0 };
+            let mut best: Option<(f64, usize)> = None;
             let mut any = None;
-            for alt in &space[t] {
-                let same = |a: &ShardingOption, b: &ShardingOption| {
-                    a.compute_kernel == b.compute_kernel
-                        && a.shards.len() == b.shards.len()
-                        && a.shards.iter().zip(&b.shards).all(|(x, y)| x == y)
-                };
-                // Skip the chosen option and its twins (e.g. column-wise in one block is
-                // table-wise).
+            let same = |a: &ShardingOption, b: &ShardingOption| {
+                a.compute_kernel == b.compute_kernel
+                    && a.shards.len() == b.shards.len()
+                    && a.shards.iter().zip(&b.shards).all(|(x, y)| x == y)
+            };
+            // Skip the chosen option and its twins (e.g. column-wise in one block is
+            // table-wise). The rest are tried by a lower bound of their plan's slowest rank
+            // (perfect spread, or the slowest shard), most promising first, so the others are
+            // mostly turned down by that bound without a placement; on equal times the option
+            // first in the search space wins, as when they were tried in its order.
+            let mut alts: Vec<(f64, usize)> = Vec::with_capacity(space[t].len());
+            for (i, alt) in space[t].iter().enumerate() {
                 if same(alt, &base[t]) {
                     continue;
                 }
-                any.get_or_insert(alt);
+                any.get_or_insert(i);
+                // More memory than the ranks have in all: the partitioner would fail.
+                if !others_total.plus(&alt.total_storage()).fits_in(&capacity) {
+                    continue;
+                }
+                let lower = ((others_sum + alt.sum_shard_perf()) / world).max(others_max.max(alt.max_shard_perf()));
+                alts.push((lower, i));
+            }
+            alts.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            for (lower, i) in alts {
+                // Slower than the best so far however placed: neither the runner-up nor
+                // needed (the partitioner would stop early).
+                if best.is_some_and(|b| lower > b.0 * (1.0 + 1e-9)) {
+                    break;
+                }
+                let alt = &space[t][i];
                 let opts: Vec<&ShardingOption> =
                     (0..space.len()).map(|u| if u == t { alt } else { &base[u] }).collect();
                 if let Ok(a) = partition(c.partitioner, &opts, &caps, &input.topology, best.map(|b| b.0)) {
                     let r = rate(&opts, &a, input.topology.world_size);
-                    if best.is_none_or(|b| r < b.0) {
-                        best = Some((r, alt));
+                    if best.is_none_or(|b| r < b.0 || (r == b.0 && i < b.1)) {
+                        best = Some((r, i));
                     }
                 }
             }
+            let best = best.map(|(r, i)| (r, &space[t][i]));
+            let any = any.map(|i| &space[t][i]);
             let chosen_o = &base[t];
             match (best, any) {
                 (Some((r, alt)), _) => {

@@ -58,6 +58,9 @@ pub(crate) struct Greedy {
     cur: Vec<usize>,
     /// Per option: (max shard HBM, Σ HBM, max shard DDR, Σ DDR).
     storage_key: Vec<Vec<(u64, u64, u64, u64)>>,
+    /// The tables with a next option, by their current option's storage key (largest first,
+    /// then the lowest table): the table the next proposal moves is the top.
+    movable: std::collections::BinaryHeap<((u64, u64, u64, u64), std::cmp::Reverse<usize>)>,
     threshold: Option<u32>,
     best: f64,
     inferior: u32,
@@ -66,7 +69,7 @@ pub(crate) struct Greedy {
 
 impl Greedy {
     pub(crate) fn new(space: &Space, use_depth: bool, threshold: Option<u32>) -> Self {
-        let storage_key = space
+        let storage_key: Vec<Vec<(u64, u64, u64, u64)>> = space
             .iter()
             .map(|opts| {
                 opts.iter()
@@ -78,10 +81,16 @@ impl Greedy {
                     .collect()
             })
             .collect();
+        let order: Vec<Vec<u32>> = space.iter().map(|o| sorted_by_score(o, use_depth)).collect();
+        let movable = (0..space.len())
+            .filter(|&t| order[t].len() > 1)
+            .map(|t| (storage_key[t][order[t][0] as usize], std::cmp::Reverse(t)))
+            .collect();
         Self {
-            order: space.iter().map(|o| sorted_by_score(o, use_depth)).collect(),
+            order,
             cur: vec![0; space.len()],
             storage_key,
+            movable,
             threshold: threshold.filter(|&t| t > 0),
             best: f64::INFINITY,
             inferior: 0,
@@ -96,7 +105,10 @@ impl Greedy {
         Some(self.cur.iter().enumerate().map(|(t, &i)| self.order[t][i]).collect())
     }
 
-    pub(crate) fn feedback(&mut self, rating: Option<f64>) {
+    /// Takes the last proposal's rating and moves to the next proposal: the table whose
+    /// current option uses the most memory (the lowest such table on ties) takes its next
+    /// option. Returns that change, `(table, old option, new option)`, or `None` when done.
+    pub(crate) fn feedback(&mut self, rating: Option<f64>) -> Option<(usize, u32, u32)> {
         if let (Some(threshold), Some(r)) = (self.threshold, rating) {
             self.inferior += 1;
             if r < self.best {
@@ -105,25 +117,23 @@ impl Greedy {
             }
             if self.inferior > threshold {
                 self.done = true;
-                return;
+                return None;
             }
         }
-        let mut largest: Option<usize> = None;
-        let mut largest_key = (0, 0, 0, 0);
-        for t in 0..self.cur.len() {
-            let i = self.cur[t];
-            if i + 1 < self.order[t].len() {
-                let key = self.storage_key[t][self.order[t][i] as usize];
-                if key > largest_key {
-                    largest = Some(t);
-                    largest_key = key;
-                }
-            }
+        // A table whose current option has an all-zero key is never moved (the scan this
+        // replaces wanted a strictly larger key than zero).
+        let Some((key, std::cmp::Reverse(t))) = self.movable.pop().filter(|(k, _)| *k > (0, 0, 0, 0)) else {
+            self.done = true;
+            return None;
+        };
+        debug_assert_eq!(key, self.storage_key[t][self.order[t][self.cur[t]] as usize]);
+        let from = self.order[t][self.cur[t]];
+        self.cur[t] += 1;
+        let i = self.cur[t];
+        if i + 1 < self.order[t].len() {
+            self.movable.push((self.storage_key[t][self.order[t][i] as usize], std::cmp::Reverse(t)));
         }
-        match largest {
-            Some(t) => self.cur[t] += 1,
-            None => self.done = true,
-        }
+        Some((t, from, self.order[t][i]))
     }
 
     /// Whether the proposals depend on the feedback (early stopping).
