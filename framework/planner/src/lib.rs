@@ -17,6 +17,7 @@
 //! ```
 mod enumerate;
 mod estimate;
+mod explain;
 mod partition;
 mod planner;
 mod propose;
@@ -24,9 +25,10 @@ mod report;
 mod types;
 
 pub use enumerate::{check_tables, enumerate, supported_kernels, supported_sharding_types};
+pub use explain::explain;
 pub use partition::PartitionerKind;
 pub use planner::{
-    PlacedShard, Plan, PlanInput, PlannerConfig, RankStats, RunnerUp, TablePlan, check_topology, explain, plan, reserve,
+    PlacedShard, Plan, PlanInput, PlannerConfig, RankStats, RunnerUp, TablePlan, check_topology, plan, reserve,
 };
 pub use propose::ProposerKind;
 pub use report::{load_plan, render, save_plan};

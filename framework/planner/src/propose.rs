@@ -52,6 +52,10 @@ fn sorted_by_score(options: &[ShardingOption], use_depth: bool) -> Vec<u32> {
     idx
 }
 
+/// An option's memory as the greedy proposer ranks it: (max shard HBM, Σ HBM, max shard DDR,
+/// Σ DDR).
+type StorageKey = (u64, u64, u64, u64);
+
 /// Greedy proposer state.
 pub(crate) struct Greedy {
     order: Vec<Vec<u32>>,
@@ -60,7 +64,7 @@ pub(crate) struct Greedy {
     storage_key: Vec<Vec<(u64, u64, u64, u64)>>,
     /// The tables with a next option, by their current option's storage key (largest first,
     /// then the lowest table): the table the next proposal moves is the top.
-    movable: std::collections::BinaryHeap<((u64, u64, u64, u64), std::cmp::Reverse<usize>)>,
+    movable: std::collections::BinaryHeap<(StorageKey, std::cmp::Reverse<usize>)>,
     threshold: Option<u32>,
     best: f64,
     inferior: u32,
