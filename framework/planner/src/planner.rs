@@ -120,7 +120,7 @@ pub struct TablePlan {
     pub cache_load_factor: Option<f64>,
     /// The shards.
     pub shards: Vec<PlacedShard>,
-    /// The best alternative (filled by [`crate::explain`]).
+    /// The best alternative (filled by `explain`).
     #[serde(default)]
     pub runner_up: Option<RunnerUp>,
 }
