@@ -374,13 +374,7 @@ impl Parts {
         lap(0, t);
         let dense = Tensor::from_slice(&batch.dense).view([b, self.num_dense as i64]);
         let labels = Tensor::from_slice(&batch.labels).view([b, 1]);
-        let sparse = match self.precision {
-            trainrec_types::DensePrecision::Bf16 if self.model.pooled_in_compute_precision() => {
-                sparse.to_kind(tch::Kind::BFloat16)
-            }
-            _ => sparse,
-        }
-        .set_requires_grad(true);
+        let sparse = trainrec_engine::tensors::pooled_leaf(sparse, self.precision, self.model.as_ref());
         lap(1, t);
         let logits = Autocast::run(self.precision, Device::Cpu, || self.model.forward(&dense, &sparse, true))
             .to_kind(tch::Kind::Float);

@@ -198,7 +198,7 @@ impl Pipeline {
             None => mc.stage_train(arch, &batch.sparse)?,
         };
         let (dense, sparse, labels, mut ctx) = tensors(layout, arch, batch, staged)?;
-        let sparse = pooled_leaf(sparse, layout.precision, &*model);
+        let sparse = crate::tensors::pooled_leaf(sparse, layout.precision, &*model);
         let ids = batch.sparse.full_batch()?;
         // Sample weights, and the sum of the global batch's (the loss's denominator): summed
         // across ranks here, before the stage thread may run collectives of its own.
@@ -422,17 +422,6 @@ fn remap(mc: &mut McTables, batch: &Batch, pg: Option<&dyn ProcessGroup>) -> Res
     expand_vbe(&mut b.sparse)?;
     let resets = mc.train(&mut b.sparse, pg)?;
     Ok((b, resets))
-}
-
-/// The pooled embeddings as the leaf tensor whose gradient the sparse update reads: fp32, or in
-/// the dense compute precision when the model takes them so
-/// ([`DenseModel::pooled_in_compute_precision`]), cast here outside autograd.
-pub(crate) fn pooled_leaf(sparse: Tensor, precision: trainrec_types::DensePrecision, model: &dyn DenseModel) -> Tensor {
-    let sparse = match precision {
-        trainrec_types::DensePrecision::Bf16 if model.pooled_in_compute_precision() => sparse.to_kind(Kind::BFloat16),
-        _ => sparse,
-    };
-    sparse.set_requires_grad(true)
 }
 
 /// What a training forward gives: the model's own objective (and its scores when predictions

@@ -38,6 +38,21 @@ pub fn pooled_tensor(
     Ok(t)
 }
 
+/// The pooled embeddings as the leaf tensor of a training step, whose gradient the sparse
+/// update reads: fp32, or in the dense compute precision when the model takes them so
+/// ([`trainrec_models::DenseModel::pooled_in_compute_precision`]), cast here outside autograd.
+pub fn pooled_leaf(
+    sparse: Tensor,
+    precision: trainrec_types::DensePrecision,
+    model: &dyn trainrec_models::DenseModel,
+) -> Tensor {
+    let sparse = match precision {
+        trainrec_types::DensePrecision::Bf16 if model.pooled_in_compute_precision() => sparse.to_kind(Kind::BFloat16),
+        _ => sparse,
+    };
+    sparse.set_requires_grad(true)
+}
+
 /// Calls `f` with the pooled output's gradient `grad` as the engine of `memory` takes it: a
 /// host slice (in place when `grad` is a contiguous CPU float tensor), or a contiguous float
 /// tensor in the engine's memory, by address.

@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use crate::PlanError;
 use crate::enumerate::enumerate;
-use crate::partition::{partition, rate};
+use crate::partition::{beyond, partition, rate, rating_lower_bound};
 use crate::planner::{Plan, PlanInput, RunnerUp, human, reserve};
 use crate::types::{ShardingOption, Storage};
 
@@ -33,8 +33,8 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
         .collect();
     // What decides most alternatives without placing them: the plan's memory and time summed
     // over its tables, and its two slowest shards' times (the slowest apart from any one table).
-    let capacity = caps.iter().fold(Storage::default(), |a, c| a.plus(c));
-    let base_total = base.iter().fold(Storage::default(), |a, o| a.plus(&o.total_storage()));
+    let capacity: Storage = caps.iter().sum();
+    let base_total: Storage = base.iter().map(ShardingOption::total_storage).sum();
     let base_sum: f64 = base.iter().map(ShardingOption::sum_shard_perf).sum();
     let (mut top, mut second) = ((f64::NEG_INFINITY, usize::MAX), f64::NEG_INFINITY);
     for (t, o) in base.iter().enumerate() {
@@ -46,7 +46,6 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
             second = m;
         }
     }
-    let world = input.topology.world_size as f64;
     let runner_ups: Vec<Option<RunnerUp>> = (0..space.len())
         .into_par_iter()
         .map(|t| {
@@ -75,14 +74,18 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
                 if !others_total.plus(&alt.total_storage()).fits_in(&capacity) {
                     continue;
                 }
-                let lower = ((others_sum + alt.sum_shard_perf()) / world).max(others_max.max(alt.max_shard_perf()));
+                let lower = rating_lower_bound(
+                    others_sum + alt.sum_shard_perf(),
+                    others_max.max(alt.max_shard_perf()),
+                    input.topology.world_size,
+                );
                 alts.push((lower, i));
             }
             alts.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
             for (lower, i) in alts {
                 // Slower than the best so far however placed: neither the runner-up nor
                 // needed (the partitioner would stop early).
-                if best.is_some_and(|b| lower > b.0 * (1.0 + 1e-9)) {
+                if best.is_some_and(|b| beyond(lower, b.0)) {
                     break;
                 }
                 let alt = &space[t][i];

@@ -92,6 +92,18 @@ pub(crate) fn offsets(proposal: &[&ShardingOption]) -> Vec<usize> {
     out
 }
 
+/// A lower bound of the slowest rank's time however shards whose times sum to `sum` are placed
+/// on `world` ranks, the slowest of them taking `max`: the mean rank's time, or that shard's.
+pub(crate) fn rating_lower_bound(sum: f64, max: f64, world: usize) -> f64 {
+    (sum / world as f64).max(max)
+}
+
+/// Whether a rank time `rating` is above `bound` beyond rounding: a plan that slow cannot beat
+/// the plan rated `bound` (the test every early stop uses).
+pub(crate) fn beyond(rating: f64, bound: f64) -> bool {
+    rating > bound * (1.0 + 1e-9)
+}
+
 /// Ordering of devices for the next shard: least loaded, then spread over hosts, then rank.
 fn device_key(d: &Device, local: usize) -> (f64, usize, usize) {
     (d.total, d.rank % local, d.rank)
@@ -194,7 +206,7 @@ fn cohost(o: &ShardingOption, devices: &mut [Device], group: usize, out: &mut [u
     let need = o.total_storage();
     for h in hosts_by_perf(devices, group) {
         let host = &devices[h * group..(h + 1) * group];
-        let free = host.iter().fold(Storage::default(), |a, d| a.plus(&d.free));
+        let free: Storage = host.iter().map(|d| &d.free).sum();
         if !need.fits_in(&free) {
             continue;
         }
@@ -290,9 +302,8 @@ pub(crate) fn greedy(
     sort_by: SortBy,
     bound: Option<f64>,
 ) -> Result<(Assignment, Vec<Device>), PartitionFailure> {
-    let limit = bound.map(|b| b * (1.0 + 1e-9)).unwrap_or(f64::INFINITY);
     let check = |devices: &[Device], table: usize| -> Result<(), PartitionFailure> {
-        if devices.iter().any(|d| d.rating > limit) {
+        if bound.is_some_and(|b| devices.iter().any(|d| beyond(d.rating, b))) {
             return Err(PartitionFailure { table, pruned: true, message: "slower than the best plan so far".into() });
         }
         Ok(())

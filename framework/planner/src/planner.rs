@@ -8,7 +8,9 @@ use sha2::{Digest, Sha256};
 use crate::PlanError;
 use crate::enumerate::enumerate;
 use crate::estimate::{Estimator, TableInputs, shard_layout};
-use crate::partition::{Assignment, PartitionFailure, PartitionerKind, offsets, partition, rate};
+use crate::partition::{
+    Assignment, PartitionFailure, PartitionerKind, beyond, offsets, partition, rate, rating_lower_bound,
+};
 use crate::propose::{Greedy, Proposal, ProposerKind, Space, cached_tables, grid, uniform};
 use crate::types::defaults::*;
 use crate::types::{
@@ -291,6 +293,16 @@ fn option_key(t: usize, i: usize) -> u128 {
     ((a as u128) << 64) | b as u128
 }
 
+/// A proposal's fingerprint: the wrapping sum of its options' `keys` ([`option_key`]).
+fn fingerprint(keys: &[Vec<u128>], p: &Proposal) -> u128 {
+    p.iter().enumerate().fold(0u128, |k, (t, &i)| k.wrapping_add(keys[t][i as usize]))
+}
+
+/// A proposal's shards' memory, summed from its options' `totals`.
+fn memory(totals: &[Vec<Storage>], p: &Proposal) -> Storage {
+    p.iter().enumerate().map(|(t, &i)| &totals[t][i as usize]).sum()
+}
+
 /// A proposal with its fingerprint and its shards' memory, summed.
 struct Candidate {
     proposal: Proposal,
@@ -311,7 +323,7 @@ struct Search<'a> {
     option_keys: Vec<Vec<u128>>,
     /// Every rank's capacity, summed: a proposal needing more cannot be placed.
     capacity: Storage,
-    /// Outcomes by [`key`] of the proposal.
+    /// Outcomes by [`fingerprint`] of the proposal.
     cache: HashMap<u128, Outcome>,
     best: Option<(Proposal, Assignment, f64)>,
     num_proposals: usize,
@@ -328,18 +340,8 @@ impl Search<'_> {
         p.iter().enumerate().map(|(t, &i)| &self.space[t][i as usize]).collect()
     }
 
-    /// The proposal's shards' memory, summed.
-    fn total(&self, p: &Proposal) -> Storage {
-        p.iter().enumerate().fold(Storage::default(), |s, (t, &i)| s.plus(&self.totals[t][i as usize]))
-    }
-
-    /// The proposal's fingerprint: the wrapping sum of its options' [`option_key`]s.
-    fn key(&self, p: &Proposal) -> u128 {
-        p.iter().enumerate().fold(0u128, |k, (t, &i)| k.wrapping_add(self.option_keys[t][i as usize]))
-    }
-
     fn candidate(&self, proposal: Proposal) -> Candidate {
-        Candidate { key: self.key(&proposal), total: self.total(&proposal), proposal }
+        Candidate { key: fingerprint(&self.option_keys, &proposal), total: memory(&self.totals, &proposal), proposal }
     }
 
     fn try_partition(&self, c: &Candidate, bound: Option<f64>) -> Result<(Assignment, f64), PartitionFailure> {
@@ -354,15 +356,13 @@ impl Search<'_> {
 
     fn partition_bounded(&self, p: &Proposal, bound: Option<f64>) -> Result<(Assignment, f64), PartitionFailure> {
         if let Some(b) = bound {
-            // Lower bounds of any placement: the mean rank's time, and the slowest shard.
             let (mut sum, mut max) = (0.0, 0.0f64);
             for (t, &i) in p.iter().enumerate() {
                 let (s, m) = self.scores[t][i as usize];
                 sum += s;
                 max = max.max(m);
             }
-            let lower = (sum / self.input.topology.world_size as f64).max(max);
-            if lower > b * (1.0 + 1e-9) {
+            if beyond(rating_lower_bound(sum, max, self.input.topology.world_size), b) {
                 return Err(PartitionFailure {
                     table: 0,
                     pruned: true,
@@ -445,12 +445,7 @@ impl Search<'_> {
                 }
             }
             let bound = self.best.as_ref().map(|b| b.2);
-            // Proposals over the ranks' total memory are turned down without the thread pool.
-            let results: Vec<_> = if batch.iter().all(|c| !c.total.fits_in(&self.capacity)) {
-                batch.iter().map(|c| self.try_partition(c, bound)).collect()
-            } else {
-                batch.par_iter().map(|c| self.try_partition(c, bound)).collect()
-            };
+            let results: Vec<_> = batch.par_iter().map(|c| self.try_partition(c, bound)).collect();
             for (c, r) in batch.into_iter().zip(results) {
                 self.record(c, r);
             }
@@ -472,19 +467,8 @@ impl Search<'_> {
             let (option_keys, totals) = (self.option_keys.clone(), self.totals.clone());
             let candidates = std::iter::from_fn(|| {
                 let proposal = g.propose()?;
-                let (key, total) = match running {
-                    None => (
-                        proposal
-                            .iter()
-                            .enumerate()
-                            .fold(0u128, |k, (t, &i)| k.wrapping_add(option_keys[t][i as usize])),
-                        proposal
-                            .iter()
-                            .enumerate()
-                            .fold(Storage::default(), |s, (t, &i)| s.plus(&totals[t][i as usize])),
-                    ),
-                    Some(kt) => kt,
-                };
+                let (key, total) =
+                    running.unwrap_or_else(|| (fingerprint(&option_keys, &proposal), memory(&totals, &proposal)));
                 if let Some((t, from, to)) = g.feedback(None) {
                     let (from, to) = (from as usize, to as usize);
                     let next_key = key.wrapping_sub(option_keys[t][from]).wrapping_add(option_keys[t][to]);
@@ -687,7 +671,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let scores = space.iter().map(|o| o.iter().map(|o| (o.sum_shard_perf(), o.max_shard_perf())).collect()).collect();
     let totals = space.iter().map(|o| o.iter().map(ShardingOption::total_storage).collect()).collect();
     let option_keys = space.iter().enumerate().map(|(t, o)| (0..o.len()).map(|i| option_key(t, i)).collect()).collect();
-    let capacity = caps.iter().fold(Storage::default(), |a, c| a.plus(c));
+    let capacity = caps.iter().sum();
     let mut s = Search {
         input,
         caps,

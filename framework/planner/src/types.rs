@@ -300,6 +300,18 @@ impl Storage {
     }
 }
 
+impl<'a> std::iter::Sum<&'a Storage> for Storage {
+    fn sum<I: Iterator<Item = &'a Storage>>(iter: I) -> Storage {
+        iter.fold(Storage::default(), |a, s| a.plus(s))
+    }
+}
+
+impl std::iter::Sum for Storage {
+    fn sum<I: Iterator<Item = Storage>>(iter: I) -> Storage {
+        iter.fold(Storage::default(), |a, s| a.plus(&s))
+    }
+}
+
 /// Estimated time of one shard per training step, in milliseconds (TorchRec's `Perf`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Perf {
@@ -365,6 +377,6 @@ impl ShardingOption {
 
     /// Storage of all shards together.
     pub fn total_storage(&self) -> Storage {
-        self.shards.iter().fold(Storage::default(), |a, s| a.plus(&s.storage))
+        self.shards.iter().map(|s| &s.storage).sum()
     }
 }
