@@ -304,6 +304,11 @@ pub struct MetricsArgs {
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Predictions and labels to time instead of generated ones: raw little-endian `f32`, the
+    /// `n` predictions then the `n` labels (`scripts/anchors/w4_metrics.py --dump` writes
+    /// TorchRec's inputs so); `--n` is then the file's.
+    #[arg(long)]
+    pub data: Option<std::path::PathBuf>,
 }
 
 /// Id distribution of `bench ebc`.
@@ -531,15 +536,19 @@ fn print_bench<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>)
 pub fn run(which: BenchCommand) -> ExitCode {
     match which {
         BenchCommand::Metrics(a) => {
+            let data = match a.data.as_deref().map(crate::metrics::read_data).transpose() {
+                Ok(data) => data,
+                Err(e) => return print_bench::<String, String>(Err(e)),
+            };
             let bench = crate::metrics::MetricsBench {
-                n: a.n,
+                n: data.as_ref().map_or(a.n, |(p, _)| p.len()),
                 batch: a.batch,
                 window: a.window,
                 repeats: a.repeats,
                 seed: a.seed,
             };
             print_bench(
-                crate::metrics::run(&bench)
+                crate::metrics::run(&bench, data)
                     .map_err(|e| format!("{e} (--n, --batch, --window and --repeats must be > 0)")),
             )
         }

@@ -24,6 +24,22 @@ pub struct MetricsBench {
     pub seed: u64,
 }
 
+/// `n` predictions sigmoid(N(0, 1)) (Box-Muller) and labels Bernoulli(prediction): a
+/// calibrated model, AUC ~ 0.74.
+fn generate(n: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut pred = Vec::with_capacity(n);
+    let mut label = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-300), rng.random());
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let p = 1.0 / (1.0 + (-z).exp());
+        pred.push(p as f32);
+        label.push(if rng.random::<f64>() < p { 1.0f32 } else { 0.0 });
+    }
+    (pred, label)
+}
+
 fn summarize(ts: &[f64]) -> Value {
     let mut s = ts.to_vec();
     s.sort_by(f64::total_cmp);
@@ -32,27 +48,36 @@ fn summarize(ts: &[f64]) -> Value {
     json!({"median_s": median, "min_s": s[0], "max_s": s[n - 1], "n": n})
 }
 
-/// Runs the benchmark; returns the JSON object to print.
-pub fn run(a: &MetricsBench) -> Result<Value, MetricError> {
+/// The predictions and labels of a `--data` file: raw little-endian `f32`, `n` predictions
+/// then `n` labels.
+pub fn read_data(path: &std::path::Path) -> Result<(Vec<f32>, Vec<f32>), String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("--data {}: {e}", path.display()))?;
+    if bytes.is_empty() || bytes.len() % 8 != 0 {
+        return Err(format!(
+            "--data {}: {} bytes is not n predictions then n labels as f32 (a positive multiple of 8 bytes)",
+            path.display(),
+            bytes.len()
+        ));
+    }
+    let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let n = values.len() / 2;
+    Ok((values[..n].to_vec(), values[n..].to_vec()))
+}
+
+/// Runs the benchmark over `data` (predictions, labels), or generated samples; returns the
+/// JSON object to print.
+pub fn run(a: &MetricsBench, data: Option<(Vec<f32>, Vec<f32>)>) -> Result<Value, MetricError> {
     if a.n == 0 || a.batch == 0 || a.repeats == 0 {
         return Err(MetricError::EmptyWindow);
     }
-    let mut rng = StdRng::seed_from_u64(a.seed);
-    let mut pred = Vec::with_capacity(a.n);
-    let mut label = Vec::with_capacity(a.n);
-    for _ in 0..a.n {
-        // sigmoid(N(0, 1)) by Box-Muller; labels Bernoulli(pred): a calibrated model, AUC ~ 0.7.
-        let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-300), rng.random());
-        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-        let p = 1.0 / (1.0 + (-z).exp());
-        pred.push(p as f32);
-        label.push(if rng.random::<f64>() < p { 1.0f32 } else { 0.0 });
-    }
+    let from_file = data.is_some();
+    let (pred, label) = data.unwrap_or_else(|| generate(a.n, a.seed));
     let weight = vec![1.0f32; a.n];
     let mut out = json!({
         "workload": "w4_metrics",
         "impl": "trainrec",
-        "config": {"n": a.n, "batch": a.batch, "window": a.window, "repeats": a.repeats, "seed": a.seed},
+        "config": {"n": a.n, "batch": a.batch, "window": a.window, "repeats": a.repeats, "seed": a.seed,
+                   "data": if from_file { "file" } else { "generated" }},
         "num_updates": a.n.div_ceil(a.batch),
     });
     for name in ["ne", "auc"] {

@@ -11,7 +11,8 @@ pub const NE_ETA: f64 = 1e-12;
 const LANES: usize = 8;
 
 #[cfg(target_arch = "x86_64")]
-static AVX2: LazyLock<bool> = LazyLock::new(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
+pub(crate) static AVX2: LazyLock<bool> =
+    LazyLock::new(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
 
 /// `log2(x)` for a positive normal `x`, branch-free, within a few ulps of `f64::log2`.
 ///
@@ -98,8 +99,10 @@ fn ne_sums_avx2(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>, ha
 
 #[inline(always)]
 fn ne_sums_body(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>, hard: bool) -> [f64; 4] {
+    // Weights that are all exactly 1 change nothing in the sums: the batch counts as unweighted.
+    let weights = weights.filter(|w| !w.iter().fold(true, |one, &x| one & (x == 1.0)));
     match (weights, hard) {
-        (None, true) => ne_sums_lanes::<true, false>(predictions, labels, &[]),
+        (None, true) => ne_sums_unweighted_hard(predictions, labels),
         (None, false) => ne_sums_lanes::<false, false>(predictions, labels, &[]),
         (Some(w), true) => ne_sums_lanes::<true, true>(predictions, labels, w),
         (Some(w), false) => ne_sums_lanes::<false, true>(predictions, labels, w),
@@ -117,6 +120,49 @@ fn ne_terms<const HARD: bool>(p: f32, y: f32, w: f32) -> [f64; 4] {
         -w * y * log2(q) - w * (1.0 - y) * log2(1.0 - q)
     };
     [ce, w, w * y, w * (1.0 - y)]
+}
+
+/// Samples whose cross entropies one logarithm takes, per lane, in
+/// [`ne_sums_unweighted_hard`]: a product of up to `PRODUCT + LANES - 1` clamped predictions
+/// stays above `1e-12^23 = 1e-276`, a normal `f64`.
+const PRODUCT: usize = 16;
+
+/// [`ne_sums`] of unweighted hard labels. Each sample's cross entropy is `-log2(x)` with `x`
+/// the clamped prediction or its complement, so a lane multiplies [`PRODUCT`] of them and takes
+/// one logarithm of the product: `log2(x_1 ... x_k) = log2(x_1) + ... + log2(x_k)`. The product's
+/// rounding (at most `k` half-ulps, relative) moves the sum by under `k * 1.6e-16` bits, what
+/// adding `k` rounded logarithms costs.
+#[inline(always)]
+fn ne_sums_unweighted_hard(p: &[f32], y: &[f32]) -> [f64; 4] {
+    let (mut ce, mut pos, mut prod) = ([0.0f64; LANES], [0.0f64; LANES], [1.0f64; LANES]);
+    let (pc, yc) = (p.chunks_exact(LANES), y.chunks_exact(LANES));
+    let (p_tail, y_tail) = (pc.remainder(), yc.remainder());
+    for (c, (pc, yc)) in pc.zip(yc).enumerate() {
+        let pc: &[f32; LANES] = pc.try_into().expect("chunks_exact");
+        let yc: &[f32; LANES] = yc.try_into().expect("chunks_exact");
+        for l in 0..LANES {
+            let (q, y) = (f64::from(pc[l]).clamp(NE_ETA, 1.0 - NE_ETA), f64::from(yc[l]));
+            // Exact for y in {0, 1}: q or 1 - q.
+            prod[l] *= y * q + (1.0 - y) * (1.0 - q);
+            pos[l] += y;
+        }
+        if c % PRODUCT == PRODUCT - 1 {
+            for l in 0..LANES {
+                ce[l] -= log2(prod[l]);
+                prod[l] = 1.0;
+            }
+        }
+    }
+    for (&p, &y) in p_tail.iter().zip(y_tail) {
+        let (q, y) = (f64::from(p).clamp(NE_ETA, 1.0 - NE_ETA), f64::from(y));
+        prod[0] *= y * q + (1.0 - y) * (1.0 - q);
+        pos[0] += y;
+    }
+    for l in 0..LANES {
+        ce[l] -= log2(prod[l]);
+    }
+    let (n, pos) = (p.len() as f64, pos.iter().sum::<f64>());
+    [ce.iter().sum(), n, pos, n - pos]
 }
 
 #[inline(always)]
@@ -186,13 +232,25 @@ mod tests {
 
     #[test]
     fn ne_sums_match_the_scalar_definition() {
-        let n = 1003; // not a multiple of the lanes
-        let p: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 999.0).collect();
+        let n = 10_003; // not a multiple of the lanes
+        // Predictions over [0, 1] (0 and 1 clamped), and a long run at 0 (every product of
+        // the unweighted path at its smallest).
+        let p: Vec<f32> =
+            (0..n).map(|i| if (5000..5400).contains(&i) { 0.0 } else { ((i * 7919) % 1000) as f32 / 999.0 }).collect();
         let w: Vec<f32> = (0..n).map(|i| 0.5 + (i % 5) as f32).collect();
+        let ones = vec![1.0f32; n];
         for hard in [true, false] {
             let y: Vec<f32> =
-                (0..n).map(|i| if hard { (i % 3 == 0) as u8 as f32 } else { (i % 4) as f32 / 3.0 }).collect();
-            for weights in [None, Some(&w[..])] {
+                (0..n)
+                    .map(|i| {
+                        if hard {
+                            ((i % 3 == 0) != (5000..5400).contains(&i)) as u8 as f32
+                        } else {
+                            (i % 4) as f32 / 3.0
+                        }
+                    })
+                    .collect();
+            for weights in [None, Some(&w[..]), Some(&ones[..])] {
                 let got = ne_sums(&p, &y, weights, hard);
                 let mut want = [0.0f64; 4];
                 for i in 0..n {

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::{MetricError, MetricState, kernels};
 
 /// Kept samples, oldest first.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct SampleWindow {
     /// Per sample: the prediction's [`descending_key`] in the high half; the weight's bits in
     /// the low 31 bits and, when the label is 1, bit 31 (the sign of a weight `>= 0` is free).
@@ -24,6 +24,15 @@ pub(crate) struct SampleWindow {
     soft_labels: Option<VecDeque<f32>>,
     /// Grouping keys, kept when the window was created grouped.
     groups: Option<VecDeque<i64>>,
+    /// Covers the keys of every sample pushed since the window was last empty.
+    span: KeySpan,
+}
+
+/// Equal samples (the spans, which only steer the sort, may differ).
+impl PartialEq for SampleWindow {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.packed, &self.soft_labels, &self.groups) == (&other.packed, &other.soft_labels, &other.groups)
+    }
 }
 
 /// `f32` → `u32` whose integer order is the *descending* float order (finite values).
@@ -44,6 +53,44 @@ fn from_descending_key(key: u32) -> f32 {
 #[inline]
 fn pack(p: f32, y: f32, w: f32) -> u64 {
     (u64::from(descending_key(p)) << 32) | u64::from(w.to_bits() & 0x7fff_ffff) | (u64::from(y == 1.0) << 31)
+}
+
+/// Packs a batch into `out` (as long as `p`); the span of its keys.
+fn pack_batch(p: &[f32], y: &[f32], w: Option<&[f32]>, out: &mut [u64]) -> KeySpan {
+    #[cfg(target_arch = "x86_64")]
+    if *kernels::AVX2 {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { pack_batch_avx2(p, y, w, out) };
+    }
+    pack_batch_body(p, y, w, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn pack_batch_avx2(p: &[f32], y: &[f32], w: Option<&[f32]>, out: &mut [u64]) -> KeySpan {
+    pack_batch_body(p, y, w, out)
+}
+
+#[inline(always)]
+fn pack_batch_body(p: &[f32], y: &[f32], w: Option<&[f32]>, out: &mut [u64]) -> KeySpan {
+    let (mut and, mut or) = (u32::MAX, 0u32);
+    match w {
+        Some(w) => {
+            for (((o, &p), &y), &w) in out.iter_mut().zip(p).zip(y).zip(w) {
+                *o = pack(p, y, w);
+                and &= (*o >> 32) as u32;
+                or |= (*o >> 32) as u32;
+            }
+        }
+        None => {
+            for ((o, &p), &y) in out.iter_mut().zip(p).zip(y) {
+                *o = pack(p, y, 1.0);
+                and &= (*o >> 32) as u32;
+                or |= (*o >> 32) as u32;
+            }
+        }
+    }
+    KeySpan { and, or }
 }
 
 #[inline]
@@ -79,6 +126,7 @@ impl SampleWindow {
 
     pub(crate) fn clear(&mut self) {
         self.packed.clear();
+        self.span = KeySpan::default();
         self.soft_labels = None;
         if let Some(g) = &mut self.groups {
             g.clear();
@@ -108,10 +156,16 @@ impl SampleWindow {
             // From now on keep the labels; the earlier ones were 0 or 1, as their bit says.
             self.soft_labels = Some(self.packed.iter().map(|&r| unpack_hard_label(r)).collect());
         }
-        match weights {
-            Some(w) => self.packed.extend(p.iter().zip(y).zip(&w[skip..]).map(|((&p, &y), &w)| pack(p, y, w))),
-            None => self.packed.extend(p.iter().zip(y).map(|(&p, &y)| pack(p, y, 1.0))),
+        // Packed in a cache-resident scratch (one vectorised loop), then appended.
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
         }
+        SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            scratch.resize(p.len(), 0);
+            self.span = self.span.union(pack_batch(p, y, weights.map(|w| &w[skip..]), &mut scratch));
+            self.packed.extend(scratch.iter().copied());
+        });
         if let Some(l) = &mut self.soft_labels {
             l.extend(y);
         }
@@ -144,6 +198,7 @@ impl SampleWindow {
             (None, None) => {}
         }
         self.packed.extend(&other.packed);
+        self.span = self.span.union(other.span);
         if let (Some(g), Some(theirs)) = (&mut self.groups, &other.groups) {
             g.extend(theirs);
         }
@@ -225,8 +280,11 @@ impl SampleWindow {
         } else {
             None
         };
-        let packed = predictions.iter().zip(&labels).zip(&weights).map(|((&p, &y), &w)| pack(p, y, w)).collect();
-        Ok(Self { packed, soft_labels: soft.then(|| labels.into()), groups })
+        let packed: VecDeque<u64> =
+            predictions.iter().zip(&labels).zip(&weights).map(|((&p, &y), &w)| pack(p, y, w)).collect();
+        let mut span = KeySpan::default();
+        packed.iter().for_each(|&r| span.add((r >> 32) as u32));
+        Ok(Self { packed, soft_labels: soft.then(|| labels.into()), groups, span })
     }
 
     /// Hard labels only (`None` with soft labels): `fold` of the samples by descending
@@ -241,7 +299,7 @@ impl SampleWindow {
         thread_local! {
             static SORTED: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        Some(SORTED.with(|out| sort_and_fold(self.packed.as_slices(), &mut out.borrow_mut(), fold)))
+        Some(SORTED.with(|out| sort_and_fold(self.packed.as_slices(), self.span, &mut out.borrow_mut(), fold)))
     }
 
     /// Calls `f` on every sample by descending prediction, tied predictions in arrival order.
@@ -249,13 +307,13 @@ impl SampleWindow {
     pub(crate) fn sweep(&self, indices: bool, mut f: impl FnMut(Visit)) {
         if !indices && self.soft_labels.is_none() {
             // Everything the sweep needs is in the sorted records themselves.
-            for r in sort_by_high_half(self.packed.as_slices()) {
+            for r in sort_by_high_half(self.packed.as_slices(), self.span) {
                 f(Visit { key: (r >> 32) as u32, label: unpack_hard_label(r), weight: unpack_weight(r), index: 0 });
             }
             return;
         }
         let records: Vec<u64> = self.packed.iter().enumerate().map(|(i, &r)| (r & !0xffff_ffff) | i as u64).collect();
-        for r in sort_by_high_half((&records, &[])) {
+        for r in sort_by_high_half((&records, &[]), self.span) {
             let i = (r & 0xffff_ffff) as usize;
             let packed = self.packed[i];
             let label = self.soft_labels.as_ref().map_or_else(|| unpack_hard_label(packed), |l| l[i]);
@@ -264,19 +322,80 @@ impl SampleWindow {
     }
 }
 
-/// Below this many records one thread sorts them with three LSD passes.
+/// Below this many records one thread sorts them with LSD passes alone.
 const SMALL: usize = 1 << 16;
 
+/// The widest digit of a counting pass (2,048 counters: they and a bucket stay in cache).
+const MAX_DIGIT: u32 = 11;
+
+/// Which bits of the sort keys may differ: the keys seen are folded in, and bits where all of
+/// them agree need no counting pass. A superset is harmless (a key that has left the window
+/// may still widen it); it only costs passes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KeySpan {
+    and: u32,
+    or: u32,
+}
+
+impl Default for KeySpan {
+    fn default() -> Self {
+        Self { and: u32::MAX, or: 0 }
+    }
+}
+
+impl KeySpan {
+    /// Every key may differ in every bit.
+    #[cfg(test)]
+    pub(crate) const ALL: KeySpan = KeySpan { and: 0, or: u32::MAX };
+
+    #[inline]
+    pub(crate) fn add(&mut self, key: u32) {
+        self.and &= key;
+        self.or |= key;
+    }
+
+    /// Both spans' keys.
+    pub(crate) fn union(self, other: KeySpan) -> KeySpan {
+        KeySpan { and: self.and & other.and, or: self.or | other.or }
+    }
+
+    /// The record bits `lo..hi` (keys are the high half) outside which all keys agree; an
+    /// empty range when every key is equal (or none was seen).
+    fn record_bits(self) -> (u32, u32) {
+        let varying = self.and ^ self.or;
+        if self.and > self.or || varying == 0 {
+            return (32, 32);
+        }
+        (32 + varying.trailing_zeros(), 64 - varying.leading_zeros())
+    }
+}
+
+/// The counting passes, least significant first, covering record bits `lo..hi` with digits of
+/// at most [`MAX_DIGIT`] bits, as even as possible (fewer counters per pass).
+fn lsd_digits(lo: u32, hi: u32) -> Vec<(u32, u32)> {
+    let bits = hi.saturating_sub(lo);
+    let passes = bits.div_ceil(MAX_DIGIT);
+    let mut digits = Vec::with_capacity(passes as usize);
+    let mut shift = lo;
+    for i in 0..passes {
+        let width = (bits - (shift - lo)).div_ceil(passes - i);
+        digits.push((shift, width));
+        shift += width;
+    }
+    digits
+}
+
 /// Sorts the records of `parts` (read in order, as one sequence) by their high 32 bits,
-/// stably.
+/// stably; `span` covers every key.
 ///
-/// A most-significant-digit pass on bits 53..64 scatters the records into 2,048 buckets; each
-/// bucket (small enough to stay in cache) is then sorted by bits 32..53 with two
-/// least-significant-digit passes, buckets in parallel. Every pass is a stable counting sort,
-/// and a pass whose digit is equal for all its records is skipped.
-pub(crate) fn sort_by_high_half(parts: (&[u64], &[u64])) -> Vec<u64> {
+/// Only the key bits that vary within `span` are sorted on. A most-significant-digit pass on
+/// the top [`MAX_DIGIT`] of them scatters the records into up to 2,048 buckets; each bucket
+/// (small enough to stay in cache) is then sorted by the bits below with least-significant-digit
+/// passes, buckets in parallel. Every pass is a stable counting sort, and a pass whose digit is
+/// equal for all its records is skipped.
+pub(crate) fn sort_by_high_half(parts: (&[u64], &[u64]), span: KeySpan) -> Vec<u64> {
     let mut out = Vec::new();
-    sort_and_fold(parts, &mut out, |_| ());
+    sort_and_fold(parts, span, &mut out, |_| ());
     out
 }
 
@@ -285,33 +404,61 @@ pub(crate) fn sort_by_high_half(parts: (&[u64], &[u64])) -> Vec<u64> {
 /// buckets' concatenation is the sorted sequence).
 pub(crate) fn sort_and_fold<A: Send>(
     parts: (&[u64], &[u64]),
+    span: KeySpan,
     out: &mut Vec<u64>,
     fold: impl Fn(&[u64]) -> A + Sync + Send,
 ) -> Vec<A> {
     let n = parts.0.len() + parts.1.len();
+    let (lo, hi) = span.record_bits();
     out.clear();
-    if n < SMALL {
+    if n < SMALL || hi - lo <= MAX_DIGIT {
         out.extend_from_slice(parts.0);
         out.extend_from_slice(parts.1);
         let mut scratch = vec![0u64; n];
-        lsd(out, &mut scratch, &[(32, 11), (43, 10), (53, 11)]);
+        lsd(out, &mut scratch, &lsd_digits(lo, hi));
         return vec![fold(out)];
     }
-    let mut counts = vec![0usize; 2048];
-    for &r in parts.0.iter().chain(parts.1) {
-        counts[(r >> 53) as usize] += 1;
-    }
-    let mut cursor = Vec::with_capacity(2048);
-    let mut next = 0;
-    for c in &counts {
-        cursor.push(next);
-        next += c;
-    }
+    let msd = hi - MAX_DIGIT;
+    let bucket = |r: u64| ((r >> msd) & 0x7ff) as usize;
+    // One chunk of the records per thread, in order: each counts its records per bucket, then
+    // scatters them into its own part of every bucket (the chunks' parts in chunk order, so
+    // the scatter stays stable).
+    let threads = rayon::current_num_threads().clamp(1, 64);
+    let chunks: Vec<(&[u64], &[u64])> =
+        (0..threads).map(|t| records_between(parts, n * t / threads, n * (t + 1) / threads)).collect();
+    let chunk_counts: Vec<Vec<usize>> = chunks
+        .par_iter()
+        .map(|&(a, b)| {
+            let mut c = vec![0usize; 2048];
+            for &r in a.iter().chain(b) {
+                c[bucket(r)] += 1;
+            }
+            c
+        })
+        .collect();
     out.resize(n, 0);
-    for &r in parts.0.iter().chain(parts.1) {
-        let d = (r >> 53) as usize;
-        out[cursor[d]] = r;
-        cursor[d] += 1;
+    let mut counts = vec![0usize; 2048];
+    {
+        let mut dests: Vec<Vec<&mut [u64]>> = (0..threads).map(|_| Vec::with_capacity(2048)).collect();
+        let mut rest = &mut out[..];
+        for (d, total) in counts.iter_mut().enumerate() {
+            for (dest, c) in dests.iter_mut().zip(&chunk_counts) {
+                let (part, r) = std::mem::take(&mut rest).split_at_mut(c[d]);
+                dest.push(part);
+                rest = r;
+                *total += c[d];
+            }
+        }
+        chunks.par_iter().zip(dests.par_iter_mut()).for_each(|(&(a, b), dest)| {
+            for &r in a.iter().chain(b) {
+                let slot = &mut dest[bucket(r)];
+                // Always `Some`: the chunk counted this record into this bucket.
+                if let Some((first, tail)) = std::mem::take(slot).split_first_mut() {
+                    *first = r;
+                    *slot = tail;
+                }
+            }
+        });
     }
     // Disjoint bucket slices of `out`, each sorted with a reused per-task buffer, then folded.
     let mut buckets = Vec::new();
@@ -323,26 +470,35 @@ pub(crate) fn sort_and_fold<A: Send>(
         }
         rest = r;
     }
+    let digits = lsd_digits(lo, msd);
     buckets
         .into_par_iter()
         .map_init(Vec::new, |buf: &mut Vec<u64>, b| {
             if b.len() > 1 {
                 buf.resize(b.len(), 0);
-                lsd(b, &mut buf[..b.len()], &[(32, 11), (43, 10)]);
+                lsd(b, &mut buf[..b.len()], &digits);
             }
             fold(b)
         })
         .collect()
 }
 
-/// Stable LSD radix sort of `v` by the given (shift, width) digits, in that order; `buf` is
-/// scratch of the same length. The result is left in `v`.
+/// The records `a..b` of the sequence `parts.0` then `parts.1`, as the two parts they fall in.
+fn records_between<'a>(parts: (&'a [u64], &'a [u64]), a: usize, b: usize) -> (&'a [u64], &'a [u64]) {
+    let k = parts.0.len();
+    (&parts.0[a.min(k)..b.min(k)], &parts.1[a.saturating_sub(k)..b.saturating_sub(k)])
+}
+
+/// Stable LSD radix sort of `v` by the given (shift, width) digits, in that order (widths at
+/// most [`MAX_DIGIT`]); `buf` is scratch of the same length. The result is left in `v`.
 fn lsd(v: &mut [u64], buf: &mut [u64], digits: &[(u32, u32)]) {
     let mut in_v = true;
+    let mut storage = [0usize; 1 << MAX_DIGIT];
     for &(shift, width) in digits {
         let mask = (1u64 << width) - 1;
         let (src, dst): (&mut [u64], &mut [u64]) = if in_v { (&mut *v, &mut *buf) } else { (&mut *buf, &mut *v) };
-        let mut counts = [0usize; 2048];
+        let counts = &mut storage[..1 << width];
+        counts.fill(0);
         for &r in src.iter() {
             counts[((r >> shift) & mask) as usize] += 1;
         }
@@ -376,21 +532,36 @@ mod tests {
     #[test]
     fn radix_sort_is_a_stable_sort_by_the_high_half() {
         let mut rng = StdRng::seed_from_u64(11);
-        // Both paths (small, and MSD + parallel LSD), with many ties spread over every digit.
-        for n in [0usize, 1, 2, 17, 5000, 200_000] {
-            let keys: Vec<u64> = (0..n)
-                .map(|_| {
-                    let high = [0u32, 7, 0x0040_0000, 0x8000_0001, u32::MAX, 0x3f00_0000][rng.random_range(0..6)]
-                        ^ (rng.random_range(0..8u32) << rng.random_range(0..29));
-                    (u64::from(high) << 32) | u64::from(rng.random::<u32>())
-                })
-                .collect();
-            let mut expected = keys.clone();
-            expected.sort_by_key(|k| k >> 32); // std's sort is stable
-            let (a, b) = keys.split_at(n / 3);
-            assert!(sort_by_high_half((a, b)) == expected, "n = {n}, two parts");
-            assert!(sort_by_high_half((&keys, &[])) == expected, "n = {n}");
+        // Both paths (small, and MSD + parallel LSD), with many ties spread over every digit;
+        // keys over all 32 bits, keys sharing their top and bottom bits (the passes then skip
+        // them), keys varying in 11 bits or fewer (no MSD pass) and equal keys.
+        let kinds: [fn(&mut StdRng) -> u32; 4] = [
+            |rng| {
+                [0u32, 7, 0x0040_0000, 0x8000_0001, u32::MAX, 0x3f00_0000][rng.random_range(0..6)]
+                    ^ (rng.random_range(0..8u32) << rng.random_range(0..29))
+            },
+            |rng| 0x2a00_0003 | (rng.random_range(0..1u32 << 19) << 5),
+            |rng| 0x8000_0000 | (rng.random_range(0..2048u32) << 9),
+            |_| 0x1234_5678,
+        ];
+        for (kind, make) in kinds.iter().enumerate() {
+            for n in [0usize, 1, 2, 17, 5000, 200_000] {
+                let keys: Vec<u64> =
+                    (0..n).map(|_| (u64::from(make(&mut rng)) << 32) | u64::from(rng.random::<u32>())).collect();
+                let mut span = KeySpan::default();
+                keys.iter().for_each(|&k| span.add((k >> 32) as u32));
+                let mut expected = keys.clone();
+                expected.sort_by_key(|k| k >> 32); // std's sort is stable
+                let (a, b) = keys.split_at(n / 3);
+                for span in [span, KeySpan::ALL] {
+                    assert!(sort_by_high_half((a, b), span) == expected, "kind {kind}, n = {n}, two parts");
+                    assert!(sort_by_high_half((&keys, &[]), span) == expected, "kind {kind}, n = {n}");
+                }
+            }
         }
+        assert_eq!(lsd_digits(32, 64), [(32, 11), (43, 11), (54, 10)]);
+        assert_eq!(lsd_digits(37, 53), [(37, 8), (45, 8)]);
+        assert!(lsd_digits(40, 40).is_empty());
     }
 
     #[test]

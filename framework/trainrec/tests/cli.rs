@@ -136,6 +136,34 @@ fn bench_metrics_prints_the_w4_shape() {
 }
 
 #[test]
+fn bench_metrics_reads_samples_from_a_data_file() {
+    let dir = std::env::temp_dir().join(format!("trainrec-metrics-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Positives at 0.9 and 0.7, negatives at 0.8 and 0.6: 3 of 4 pairs ordered, AUC 0.75.
+    let values = [0.9f32, 0.8, 0.7, 0.6, 1.0, 0.0, 1.0, 0.0];
+    let path = dir.join("samples.f32");
+    std::fs::write(&path, values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let file = path.display().to_string();
+    let (code, stdout, stderr) = trainrec(&["bench", "metrics", "--data", &file, "--batch", "3", "--repeats", "1"]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    assert_eq!((v["config"]["n"].as_u64(), v["config"]["data"].as_str()), (Some(4), Some("file")));
+    assert_eq!(v["num_updates"].as_u64(), Some(2));
+    assert!((v["auc"]["values"]["auc"].as_f64().unwrap() - 0.75).abs() < 1e-12, "{stdout}");
+    // ce = -log2(.9) - log2(.2) - log2(.7) - log2(.4) bits over 4 samples with base rate 1/2.
+    let ce =
+        -(0.9f32 as f64).log2() - (1.0 - 0.8f32 as f64).log2() - (0.7f32 as f64).log2() - (1.0 - 0.6f32 as f64).log2();
+    let ne = v["ne"]["values"]["lifetime_ne"].as_f64().unwrap();
+    assert!((ne - ce / 4.0).abs() < 1e-12, "NE {ne} vs {}", ce / 4.0);
+    // A file that is not n predictions then n labels is named, with exit 2.
+    std::fs::write(&path, [0u8; 12]).unwrap();
+    let (code, _, stderr) = trainrec(&["bench", "metrics", "--data", &file]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains(&file) && stderr.contains("12 bytes"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn plan_prints_the_stats_writes_the_plan_and_a_pinned_plan_is_checked() {
     let dir = std::env::temp_dir().join(format!("trainrec-plan-cli-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
