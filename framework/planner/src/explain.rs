@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use crate::PlanError;
 use crate::enumerate::enumerate;
-use crate::partition::{beyond, partition, rate, rating_lower_bound};
+use crate::partition::{GreedyTrace, PartitionerKind, beyond, partition, rate, rating_lower_bound};
 use crate::planner::{Plan, PlanInput, RunnerUp, human, reserve};
 use crate::types::{ShardingOption, Storage};
 
@@ -46,6 +46,15 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
             second = m;
         }
     }
+    // The greedy partitioner's run over the plan's own options, kept step by step: each
+    // alternative is placed again only from where its placement order departs.
+    let trace = match c.partitioner {
+        PartitionerKind::GreedyPerf => {
+            let refs: Vec<&ShardingOption> = base.iter().collect();
+            GreedyTrace::new(&refs, &caps, &input.topology).ok()
+        }
+        PartitionerKind::MemoryBalanced => None,
+    };
     let runner_ups: Vec<Option<RunnerUp>> = (0..space.len())
         .into_par_iter()
         .map(|t| {
@@ -91,7 +100,12 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
                 let alt = &space[t][i];
                 let opts: Vec<&ShardingOption> =
                     (0..space.len()).map(|u| if u == t { alt } else { &base[u] }).collect();
-                if let Ok(a) = partition(c.partitioner, &opts, &caps, &input.topology, best.map(|b| b.0)) {
+                let bound = best.map(|b| b.0);
+                let placed = match trace.as_ref().and_then(|tr| tr.replaced(&opts, t, &input.topology, bound)) {
+                    Some(placed) => placed,
+                    None => partition(c.partitioner, &opts, &caps, &input.topology, bound),
+                };
+                if let Ok(a) = placed {
                     let r = rate(&opts, &a, input.topology.world_size);
                     if best.is_none_or(|b| r < b.0 || (r == b.0 && i < b.1)) {
                         best = Some((r, i));
@@ -140,4 +154,72 @@ pub fn explain(input: &PlanInput, plan: &mut Plan) -> Result<(), PlanError> {
         tp.runner_up = ru;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use crate::enumerate::enumerate;
+    use crate::partition::{GreedyTrace, PartitionerKind, partition};
+    use crate::planner::reserve;
+    use crate::types::*;
+    use crate::*;
+
+    /// Every alternative of every table placed from the trace equals the full greedy run, with
+    /// and without a bound (random tables, topologies and base options, seeded).
+    #[test]
+    fn a_traced_replacement_places_as_the_full_partitioner() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let (mut compared, mut resumed_late) = (0, 0);
+        for _ in 0..40 {
+            let device = if rng.random_bool(0.6) { ComputeDevice::Cuda } else { ComputeDevice::Cpu };
+            let per_host = [1usize, 2, 4][rng.random_range(0..3)];
+            let mut topology = Topology::new(rng.random_range(1..=3usize) * per_host, device);
+            topology.local_world_size = per_host;
+            topology.hbm_cap = rng.random_range(1u64..=8) << 30;
+            topology.ddr_cap = rng.random_range(8u64..=64) << 30;
+            let tables: Vec<TableSpec> = (0..rng.random_range(2..=14usize))
+                .map(|i| {
+                    let rows = 10f64.powf(rng.random_range(2.0..7.3)) as u64;
+                    let dim = [8u64, 16, 64, 128][rng.random_range(0..4)];
+                    TableSpec::new(format!("t{i}"), rows, dim, vec![format!("f{i}")])
+                })
+                .collect();
+            let config = PlannerConfig { partitioner: PartitionerKind::GreedyPerf, ..Default::default() };
+            let input = PlanInput { tables, topology, config };
+            let (Ok(caps), Ok(space)) =
+                (reserve(&input), enumerate(&input.tables, &input.topology, 512, input.config.cost_model))
+            else {
+                continue;
+            };
+            if space.iter().any(Vec::is_empty) {
+                continue;
+            }
+            let base: Vec<&ShardingOption> = space.iter().map(|s| &s[rng.random_range(0..s.len())]).collect();
+            let Ok(trace) = GreedyTrace::new(&base, &caps, &input.topology) else { continue };
+            for t in 0..space.len() {
+                for alt in &space[t] {
+                    let mut opts = base.clone();
+                    opts[t] = alt;
+                    let full = partition(PartitionerKind::GreedyPerf, &opts, &caps, &input.topology, None);
+                    let bound =
+                        full.as_ref().ok().map(|a| crate::partition::rate(&opts, a, input.topology.world_size) * 0.9);
+                    for bound in [None, bound] {
+                        let Some(traced) = trace.replaced(&opts, t, &input.topology, bound) else { continue };
+                        let full = partition(PartitionerKind::GreedyPerf, &opts, &caps, &input.topology, bound);
+                        match (&traced, &full) {
+                            (Ok(a), Ok(b)) => assert_eq!(a, b, "table {t}"),
+                            (Err(a), Err(b)) => assert_eq!(a.pruned, b.pruned, "table {t}"),
+                            _ => panic!("table {t}: traced {traced:?} vs full {full:?}"),
+                        }
+                        compared += 1;
+                    }
+                }
+            }
+            resumed_late += 1;
+        }
+        assert!(compared > 500 && resumed_late > 10, "{compared} comparisons over {resumed_late} inputs");
+    }
 }

@@ -302,12 +302,48 @@ pub(crate) fn greedy(
     sort_by: SortBy,
     bound: Option<f64>,
 ) -> Result<(Assignment, Vec<Device>), PartitionFailure> {
-    let check = |devices: &[Device], table: usize| -> Result<(), PartitionFailure> {
-        if bound.is_some_and(|b| devices.iter().any(|d| beyond(d.rating, b))) {
-            return Err(PartitionFailure { table, pruned: true, message: "slower than the best plan so far".into() });
+    greedy_traced(proposal, caps, topo, tier_cap, sort_by, bound, |_| {}).map(|(a, d, _)| (a, d))
+}
+
+/// Fails (pruned) once a rank's time is beyond `bound`.
+fn check_bound(devices: &[Device], bound: Option<f64>, table: usize) -> Result<(), PartitionFailure> {
+    if bound.is_some_and(|b| devices.iter().any(|d| beyond(d.rating, b))) {
+        return Err(PartitionFailure { table, pruned: true, message: "slower than the best plan so far".into() });
+    }
+    Ok(())
+}
+
+/// Places one option that is not placed uniformly.
+fn place(
+    o: &ShardingOption,
+    devices: &mut [Device],
+    topo: &Topology,
+    out: &mut [usize],
+) -> Result<(), PartitionFailure> {
+    let group = topo.local_world_size;
+    match partition_by(o.sharding_type) {
+        PartitionBy::MultiHost => multi_host(o, devices, group, out),
+        PartitionBy::Host => cohost(o, devices, group, out),
+        PartitionBy::Device => {
+            let distinct = o.sharding_type == ShardingType::ColumnWise && o.compute_kernel == ComputeKernel::KeyValue;
+            let mut refs: Vec<&mut Device> = devices.iter_mut().collect();
+            device_partition(o, &mut refs, group, distinct, out)
         }
-        Ok(())
-    };
+        PartitionBy::Uniform => Ok(()),
+    }
+}
+
+/// [`greedy`], calling `step` with the devices after the uniform options are placed and after
+/// each further placement; also returns the placement order of the other options.
+fn greedy_traced(
+    proposal: &[&ShardingOption],
+    caps: &[Storage],
+    topo: &Topology,
+    tier_cap: Option<u64>,
+    sort_by: SortBy,
+    bound: Option<f64>,
+    mut step: impl FnMut(&[Device]),
+) -> Result<(Assignment, Vec<Device>, Vec<usize>), PartitionFailure> {
     let mut devices: Vec<Device> = caps
         .iter()
         .enumerate()
@@ -323,14 +359,13 @@ pub(crate) fn greedy(
             rating: 0.0,
         })
         .collect();
-    let group = topo.local_world_size;
     let at = offsets(proposal);
     let mut assignment: Assignment = vec![0; at[proposal.len()]];
     for (i, o) in proposal.iter().enumerate() {
         if partition_by(o.sharding_type) == PartitionBy::Uniform {
             let mut refs: Vec<&mut Device> = devices.iter_mut().collect();
             uniform(o, &mut refs, &mut assignment[at[i]..at[i + 1]])?;
-            check(&devices, o.table)?;
+            check_bound(&devices, bound, o.table)?;
         }
     }
     let mut order: Vec<usize> =
@@ -345,23 +380,93 @@ pub(crate) fn greedy(
             order.sort_by(|&a, &b| keys[b].total_cmp(&keys[a]));
         }
     }
-    for i in order {
+    step(&devices);
+    for &i in &order {
         let o = proposal[i];
-        let out = &mut assignment[at[i]..at[i + 1]];
-        match partition_by(o.sharding_type) {
-            PartitionBy::MultiHost => multi_host(o, &mut devices, group, out)?,
-            PartitionBy::Host => cohost(o, &mut devices, group, out)?,
-            PartitionBy::Device => {
-                let distinct =
-                    o.sharding_type == ShardingType::ColumnWise && o.compute_kernel == ComputeKernel::KeyValue;
-                let mut refs: Vec<&mut Device> = devices.iter_mut().collect();
-                device_partition(o, &mut refs, topo.local_world_size, distinct, out)?
-            }
-            PartitionBy::Uniform => {}
-        }
-        check(&devices, o.table)?;
+        place(o, &mut devices, topo, &mut assignment[at[i]..at[i + 1]])?;
+        check_bound(&devices, bound, o.table)?;
+        step(&devices);
     }
-    Ok((assignment, devices))
+    Ok((assignment, devices, order))
+}
+
+/// The greedy-perf partitioner's run ([`partition`] with [`PartitionerKind::GreedyPerf`]) over
+/// one proposal, step by step, so that a proposal differing from it in one option is placed
+/// again only from where its placement order departs ([`GreedyTrace::replaced`]): what the
+/// runner-up explanations do for every alternative of every table.
+pub(crate) struct GreedyTrace {
+    /// Each option's sort key (its total memory, the largest placed first).
+    keys: Vec<Storage>,
+    /// The options not placed uniformly, in placement order.
+    order: Vec<usize>,
+    /// Each option's position in `order` (`usize::MAX` when placed uniformly).
+    position: Vec<usize>,
+    /// `states[k]`: the devices after the uniform options and the first `k` of `order`.
+    states: Vec<Vec<Device>>,
+    assignment: Assignment,
+    at: Vec<usize>,
+}
+
+impl GreedyTrace {
+    /// Places `proposal` as [`partition`] with the greedy-perf partitioner does.
+    pub(crate) fn new(
+        proposal: &[&ShardingOption],
+        caps: &[Storage],
+        topo: &Topology,
+    ) -> Result<Self, PartitionFailure> {
+        let mut states = Vec::with_capacity(proposal.len() + 1);
+        let (assignment, _, order) =
+            greedy_traced(proposal, caps, topo, None, SortBy::Storage, None, |d| states.push(d.to_vec()))?;
+        let mut position = vec![usize::MAX; proposal.len()];
+        for (k, &i) in order.iter().enumerate() {
+            position[i] = k;
+        }
+        let keys = proposal.iter().map(|o| o.total_storage()).collect();
+        Ok(Self { keys, order, position, states, assignment, at: offsets(proposal) })
+    }
+
+    /// What [`partition`] with the greedy-perf partitioner and `bound` gives for `proposal`,
+    /// the traced proposal with option `t` replaced; `None` when either option of `t` is
+    /// placed uniformly (every placement after the uniform phase could differ: place it all).
+    ///
+    /// The greedy order is a stable sort by memory, so the two orders agree up to the first
+    /// position of the old or the new option `t`: placement resumes from the traced devices
+    /// there, the earlier options keep their traced ranks.
+    pub(crate) fn replaced(
+        &self,
+        proposal: &[&ShardingOption],
+        t: usize,
+        topo: &Topology,
+        bound: Option<f64>,
+    ) -> Option<Result<Assignment, PartitionFailure>> {
+        let alt = proposal[t];
+        if self.position[t] == usize::MAX || partition_by(alt.sharding_type) == PartitionBy::Uniform {
+            return None;
+        }
+        let key = alt.total_storage();
+        let mut order: Vec<usize> = self.order.iter().copied().filter(|&i| i != t).collect();
+        // Ahead of `t` in the stable sort: more memory, or as much and earlier in the proposal.
+        let ahead = order.partition_point(|&i| self.keys[i] > key || (self.keys[i] == key && i < t));
+        order.insert(ahead, t);
+        let start = ahead.min(self.position[t]);
+        Some((|| {
+            let mut devices = self.states[start].clone();
+            check_bound(&devices, bound, alt.table)?;
+            let at = offsets(proposal);
+            let mut assignment: Assignment = vec![0; at[proposal.len()]];
+            // Uniform options, and those placed before `start`: as traced.
+            let kept = |i: usize| i != t && (self.position[i] == usize::MAX || self.position[i] < start);
+            for i in (0..proposal.len()).filter(|&i| kept(i)) {
+                assignment[at[i]..at[i + 1]].copy_from_slice(&self.assignment[self.at[i]..self.at[i + 1]]);
+            }
+            for &i in &order[start..] {
+                let o = proposal[i];
+                place(o, &mut devices, topo, &mut assignment[at[i]..at[i + 1]])?;
+                check_bound(&devices, bound, o.table)?;
+            }
+            Ok(assignment)
+        })())
+    }
 }
 
 /// The slowest rank's time: max over ranks of the summed shard times (TorchRec's
