@@ -1,8 +1,10 @@
-//! Compiles `csrc/autocast.cpp` (the autocast switches tch does not expose) against the
-//! libtorch headers torch-sys found: `DEP_TCH_LIBTORCH_LIB` is its `lib` folder.
+//! Compiles `csrc/autocast.cpp` (the autocast switches tch does not expose) and
+//! `csrc/interaction.cpp` (DLRM's interaction as one autograd function) against the libtorch
+//! headers torch-sys found: `DEP_TCH_LIBTORCH_LIB` is its `lib` folder.
 
 fn main() {
     println!("cargo:rerun-if-changed=csrc/autocast.cpp");
+    println!("cargo:rerun-if-changed=csrc/interaction.cpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
@@ -19,6 +21,8 @@ fn main() {
         .std("c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None)
+        .include(include.join("torch").join("csrc").join("api").join("include"))
         .file("csrc/autocast.cpp")
-        .compile("trainrec_autocast");
+        .file("csrc/interaction.cpp")
+        .compile("trainrec_csrc");
 }

@@ -70,7 +70,7 @@ mod tests {
     /// weight's gradient is fp32 and matches a float64 recomputation from the bf16 operands.
     #[test]
     fn linear_layers_compute_in_bf16_inside_the_region_only() {
-        tch::manual_seed(3);
+        let _rng = crate::seeded(3);
         let vs = nn::VarStore::new(Device::Cpu);
         let layer = nn::linear(vs.root() / "l", 64, 32, Default::default());
         let x = Tensor::randn([16, 64], (Kind::Float, Device::Cpu));
@@ -102,6 +102,7 @@ mod tests {
     /// fp32 alone.
     #[test]
     fn regions_nest_and_restore() {
+        let _rng = crate::seeded(0);
         let a = Tensor::randn([8, 8], (Kind::Float, Device::Cpu));
         let outer = Autocast::open(DensePrecision::Bf16, Device::Cpu);
         {

@@ -185,6 +185,7 @@ mod tests {
 
     #[test]
     fn forward_matches_a_hand_computation() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DeepFmConfig { hidden_layer_size: 1, deep_fm_dimension: 1 };
         let m = DeepFm::new(&vs.root(), &cfg, 1, 2, 1, 1);
@@ -223,6 +224,7 @@ mod tests {
 
     #[test]
     fn one_logit_per_task() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let two = ModelInputs { num_tasks: 2, ..inputs(&[4, 4, 4]) };
         let cfg = serde_json::json!({"hidden_layer_size": 5, "deep_fm_dimension": 6});
@@ -237,6 +239,7 @@ mod tests {
 
     #[test]
     fn check_names_the_keys() {
+        let _rng = crate::seeded(0);
         let ok = serde_json::json!({"hidden_layer_size": 8, "deep_fm_dimension": 4});
         assert!(DeepFmFactory::default().check(&ok, &inputs(&[4, 4])).is_empty());
         let bad = serde_json::json!({"hidden_layer_size": 0, "deep_fm_dimension": 0});

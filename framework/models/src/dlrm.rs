@@ -36,6 +36,33 @@ pub struct Dlrm {
     lower: Tensor,
 }
 
+unsafe extern "C" {
+    fn trainrec_dlrm_interaction(
+        d: *const torch_sys::C_tensor,
+        emb: *const torch_sys::C_tensor,
+        out: *mut *mut torch_sys::C_tensor,
+        err: *mut std::ffi::c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
+/// DLRM's interaction `[d, <x_i, x_j> for i < j]` of `d` `[B, D]` and `emb` `[B, F, D]` (CPU
+/// tensors of one floating kind) through `csrc/interaction.cpp`: one autograd function whose
+/// backward is one batched product; libtorch's message when it throws.
+pub(crate) fn interaction_cpu(d: &Tensor, emb: &Tensor) -> Result<Tensor, String> {
+    let mut out = std::ptr::null_mut();
+    let mut err = [0 as std::ffi::c_char; 512];
+    // SAFETY: `d` and `emb` are live tensors for the whole call, `err` is writable for its
+    // length, and on success `out` is a tensor the C++ side allocated for us to own.
+    let rc = unsafe { trainrec_dlrm_interaction(d.as_ptr(), emb.as_ptr(), &mut out, err.as_mut_ptr(), err.len()) };
+    if rc != 0 || out.is_null() {
+        // SAFETY: the C++ side wrote a NUL-terminated message into `err` (snprintf).
+        return Err(unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
+    }
+    // SAFETY: `out` is a heap tensor handed over by the C++ side, owned by no one else.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
 /// `positions` `[P]` as a `[batch, P]` gather index (a stride-0 view, no copy): a gather along
 /// the columns is about twice as fast as `index_select` on the CPU, four times in bf16.
 fn gather_index(positions: &Tensor, batch: i64) -> Tensor {
@@ -85,21 +112,38 @@ impl Dlrm {
     /// TorchRec's `InteractionArch`: `[d, <x_i, x_j> for i < j]` over `x = [d, e_0, ..]`, the
     /// pairs in `triu_indices` order.
     ///
-    /// The Gram matrix `X X^T` is one batched product. With gradients, its second factor is
-    /// detached and the output reads both mirrored entries, `upper + lower - upper.detach()`
-    /// (the value of one dot): the backward is then a single batched product `(G + G^T) X`
-    /// instead of autograd's two, whose transposed half also costs a strided sum.
-    ///
     /// Under bf16 autocast the dense arch's output `d` is bf16; the pooled embeddings (fp32)
     /// are cast to it before the concatenation, which then moves half the bytes and hands the
     /// batched product bf16 operands (autocast would cast the fp32 concatenation, twice: once
     /// per factor).
+    ///
+    /// On the CPU the whole interaction is one autograd function written for it
+    /// (`csrc/interaction.cpp`, [`interaction_cpu`]): the same batched products as
+    /// [`Self::interaction_ops`] and the same values bit for bit, with plain copies where those
+    /// ops gather and scatter (libtorch's bf16 gathers and scatters go through fp32 buffers).
     fn interaction(&self, d: &Tensor, sparse: &Tensor) -> Tensor {
         let batch = d.size()[0];
-        let n = self.num_sparse + 1;
         let emb = sparse.view([batch, self.num_sparse, self.dim]);
         let emb = if emb.kind() == d.kind() { emb } else { emb.to_kind(d.kind()) };
-        let all = Tensor::cat(&[&d.unsqueeze(1), &emb], 1);
+        if d.device() == tch::Device::Cpu && d.is_floating_point() {
+            // A libtorch error there would be one these tensor ops raise too: they report it.
+            if let Ok(x) = interaction_cpu(d, &emb) {
+                return x;
+            }
+        }
+        self.interaction_ops(d, &emb)
+    }
+
+    /// [`Self::interaction`] in libtorch's ops (CUDA tensors), `emb` `[B, F, D]` of `d`'s kind.
+    ///
+    /// The Gram matrix `X X^T` is one batched product. With gradients, its second factor is
+    /// detached and the output reads both mirrored entries, `upper + lower - upper.detach()`
+    /// (the value of one dot): the backward is then a single batched product `(G + G^T) X`
+    /// instead of autograd's two, whose transposed half also costs a strided sum.
+    fn interaction_ops(&self, d: &Tensor, emb: &Tensor) -> Tensor {
+        let batch = d.size()[0];
+        let n = self.num_sparse + 1;
+        let all = Tensor::cat(&[&d.unsqueeze(1), emb], 1);
         let upper = gather_index(&self.upper, batch);
         let pairs = if all.requires_grad() {
             let gram = all.bmm(&all.detach().transpose(1, 2)).view([batch, n * n]);
@@ -189,7 +233,7 @@ mod tests {
 
     #[test]
     fn interaction_matches_a_hand_computation() {
-        tch::manual_seed(0);
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DlrmConfig { dense_arch: vec![2], over_arch: vec![1] };
         let m = Dlrm::new(&vs.root(), &cfg, 3, 2);
@@ -211,7 +255,7 @@ mod tests {
     fn interaction_gradients_match_plain_autograd() {
         // The detached-factor Gram matrix must give the gradients of the textbook form
         // (concatenate, full bmm, triu gather) with respect to the embeddings and the dense arch.
-        tch::manual_seed(1);
+        let _rng = crate::seeded(1);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DlrmConfig { dense_arch: vec![8, 4], over_arch: vec![6, 1] };
         let m = Dlrm::new(&vs.root(), &cfg, 3, 5);
@@ -257,7 +301,7 @@ mod tests {
     /// precision, the parameters' gradients stay fp32.
     #[test]
     fn bf16_autocast_tracks_fp32() {
-        tch::manual_seed(4);
+        let _rng = crate::seeded(4);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DlrmConfig { dense_arch: vec![32, 16], over_arch: vec![32, 1] };
         let m = Dlrm::new(&vs.root(), &cfg, 5, 6);
@@ -293,9 +337,37 @@ mod tests {
     }
 
     #[test]
+    fn the_cpu_interaction_equals_libtorchs_ops_bit_for_bit() {
+        let _rng = crate::seeded(5);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = DlrmConfig { dense_arch: vec![16], over_arch: vec![1] };
+        let m = Dlrm::new(&vs.root(), &cfg, 3, 7);
+        for kind in [tch::Kind::Float, tch::Kind::BFloat16] {
+            let opts = (kind, tch::Device::Cpu);
+            let (d, emb) = (Tensor::randn([33, 16], opts), Tensor::randn([33, 7, 16], opts));
+            let upstream = Tensor::randn([33, 16 + 28], opts);
+            let run = |fast: bool| {
+                let (d, emb) = (d.detach().set_requires_grad(true), emb.detach().set_requires_grad(true));
+                let out = if fast {
+                    interaction_cpu(&d, &emb).expect("the C++ interaction")
+                } else {
+                    m.interaction_ops(&d, &emb)
+                };
+                (&out * &upstream).sum(kind).backward();
+                (out.detach(), d.grad(), emb.grad())
+            };
+            let (fast, ops) = (run(true), run(false));
+            assert_eq!(fast.0.size(), [33, 16 + 28]);
+            assert!(fast.0.equal(&ops.0), "{kind:?} values");
+            assert!(fast.1.equal(&ops.1), "{kind:?} gradient of d");
+            assert!(fast.2.equal(&ops.2), "{kind:?} gradient of the embeddings");
+        }
+    }
+
+    #[test]
     fn no_grad_interaction_matches_the_batched_product() {
         // Criteo-like sizes: 26 features of dim 64.
-        tch::manual_seed(2);
+        let _rng = crate::seeded(2);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DlrmConfig { dense_arch: vec![16, 64], over_arch: vec![8, 1] };
         let m = Dlrm::new(&vs.root(), &cfg, 3, 26);

@@ -183,6 +183,7 @@ mod tests {
 
     #[test]
     fn one_cross_layer_matches_a_hand_computation() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DlrmDcnConfig { dense_arch: vec![1], over_arch: vec![1, 1], dcn_num_layers: 1, dcn_low_rank_dim: 1 };
         let m = DlrmDcn::new(&vs.root(), &cfg, 1, 1);
@@ -224,6 +225,7 @@ mod tests {
 
     #[test]
     fn zero_cross_layers_feed_the_concatenation_to_the_over_arch() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DlrmDcnConfig { dense_arch: vec![2], over_arch: vec![3, 2], dcn_num_layers: 0, dcn_low_rank_dim: 1 };
         let m = DlrmDcn::new(&vs.root(), &cfg, 3, 2);
@@ -238,6 +240,7 @@ mod tests {
 
     #[test]
     fn init_follows_torchrec() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = DlrmDcnConfig { dense_arch: vec![8], over_arch: vec![4, 1], dcn_num_layers: 2, dcn_low_rank_dim: 4 };
         let _m = DlrmDcn::new(&vs.root(), &cfg, 3, 63);
@@ -287,6 +290,7 @@ mod tests {
 
     #[test]
     fn build_reports_diagnostics_instead_of_panicking() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let bad = serde_json::json!({"dense_arch": [], "over_arch": [1], "dcn_num_layers": 1, "dcn_low_rank_dim": 0});
         match DlrmDcnFactory::default().build(&vs.root(), &bad, &inputs(&[4], 1)) {

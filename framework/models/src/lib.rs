@@ -228,3 +228,14 @@ pub trait ModelFactory: Send + Sync {
         None
     }
 }
+
+/// Seeds libtorch's global generator for a test and holds it until the guard drops: tests run
+/// in parallel threads, and two drawing from the one generator at once would each see
+/// different values from run to run.
+#[cfg(test)]
+pub(crate) fn seeded(seed: i64) -> std::sync::MutexGuard<'static, ()> {
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = RNG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    tch::manual_seed(seed);
+    guard
+}

@@ -152,7 +152,7 @@ mod tests {
     /// weights would be `√6` times wider and fail both checks).
     #[test]
     fn layers_start_as_pytorch_linear_layers() {
-        tch::manual_seed(7);
+        let _rng = crate::seeded(7);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _ = mlp(&vs.root(), 400, &[300, 1], false);
         let vars = vs.variables();

@@ -712,6 +712,7 @@ mod tests {
 
     #[test]
     fn adagrad_matches_the_formula() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let w = vs.root().var_copy("w", &Tensor::from_slice(&[1.0f32, -2.0]));
         let mut opt = DenseOptimizer::new(&vs, &DenseOptimizerConfig::Adagrad { lr: 0.5, weight_decay: 0.0 }).unwrap();
@@ -738,6 +739,7 @@ mod tests {
 
     #[test]
     fn adagrad_with_weight_decay_matches_the_formula_on_both_paths() {
+        let _rng = crate::seeded(0);
         // Float parameters take the single-pass path, double ones the tensor path.
         for kind in [tch::Kind::Float, tch::Kind::Double] {
             let mut vs = nn::VarStore::new(tch::Device::Cpu);

@@ -405,6 +405,7 @@ mod tests {
 
     #[test]
     fn in_batch_softmax_matches_a_hand_computation() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let mut m = TwoTower::new(&vs.root(), &config(false), &inputs());
         identity(&vs);
@@ -433,6 +434,7 @@ mod tests {
 
     #[test]
     fn repeated_candidates_are_masked_and_logq_lowers_frequent_ones() {
+        let _rng = crate::seeded(0);
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let mut m = TwoTower::new(&vs.root(), &config(false), &inputs());
         identity(&vs);
