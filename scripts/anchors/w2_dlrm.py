@@ -26,12 +26,8 @@ torch.no_grad(), logits of the inner DLRM only. Prints one JSON line.
 """
 
 import argparse
-import os
-import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.environ.get("TRAINREC_ANCHORS_DIR",
-                                  os.path.join(_HERE, "..", "..", "..", "shared", "bench", "anchors")))
+import shared_anchors  # noqa: F401 (puts the shared common.py on sys.path)
 from common import emit, env_info, init_single_rank_gloo, log, rate, set_threads, summarize, time_steps  # noqa: E402
 
 import torch  # noqa: E402

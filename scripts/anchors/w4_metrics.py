@@ -18,12 +18,9 @@ Prints one JSON line.
 
 import argparse
 import os
-import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.environ.get("TRAINREC_ANCHORS_DIR",
-                                  os.path.join(_HERE, "..", "..", "..", "shared", "bench", "anchors")))
+import shared_anchors  # noqa: F401 (puts the shared common.py on sys.path)
 from common import emit, env_info, set_threads, summarize  # noqa: E402
 
 import torch  # noqa: E402
