@@ -109,16 +109,24 @@ fn ne_sums_body(predictions: &[f32], labels: &[f32], weights: Option<&[f32]>, ha
     }
 }
 
+/// The prediction clamped to `[eta, 1 - eta]`, in `f64` (TorchRec's `clamp_` of the doubles).
+#[inline(always)]
+fn clamped(p: f32) -> f64 {
+    f64::from(p).clamp(NE_ETA, 1.0 - NE_ETA)
+}
+
+/// The clamped probability a hard label `y` (0 or 1) was given: `q` or `1 - q`, exactly
+/// (`y q + (1 - y)(1 - q)` without a branch). Its `-log2` is the sample's cross entropy.
+#[inline(always)]
+fn hard_likelihood(q: f64, y: f64) -> f64 {
+    y * q + (1.0 - y) * (1.0 - q)
+}
+
 /// One sample's terms `[ce, w, w y, w (1 - y)]`.
 #[inline(always)]
 fn ne_terms<const HARD: bool>(p: f32, y: f32, w: f32) -> [f64; 4] {
-    let (q, y, w) = (f64::from(p).clamp(NE_ETA, 1.0 - NE_ETA), f64::from(y), f64::from(w));
-    let ce = if HARD {
-        // Exact for y in {0, 1}: y q + (1 - y)(1 - q) is q or 1 - q.
-        -w * log2(y * q + (1.0 - y) * (1.0 - q))
-    } else {
-        -w * y * log2(q) - w * (1.0 - y) * log2(1.0 - q)
-    };
+    let (q, y, w) = (clamped(p), f64::from(y), f64::from(w));
+    let ce = if HARD { -w * log2(hard_likelihood(q, y)) } else { -w * y * log2(q) - w * (1.0 - y) * log2(1.0 - q) };
     [ce, w, w * y, w * (1.0 - y)]
 }
 
@@ -141,9 +149,8 @@ fn ne_sums_unweighted_hard(p: &[f32], y: &[f32]) -> [f64; 4] {
         let pc: &[f32; LANES] = pc.try_into().expect("chunks_exact");
         let yc: &[f32; LANES] = yc.try_into().expect("chunks_exact");
         for l in 0..LANES {
-            let (q, y) = (f64::from(pc[l]).clamp(NE_ETA, 1.0 - NE_ETA), f64::from(yc[l]));
-            // Exact for y in {0, 1}: q or 1 - q.
-            prod[l] *= y * q + (1.0 - y) * (1.0 - q);
+            let y = f64::from(yc[l]);
+            prod[l] *= hard_likelihood(clamped(pc[l]), y);
             pos[l] += y;
         }
         if c % PRODUCT == PRODUCT - 1 {
@@ -154,8 +161,8 @@ fn ne_sums_unweighted_hard(p: &[f32], y: &[f32]) -> [f64; 4] {
         }
     }
     for (&p, &y) in p_tail.iter().zip(y_tail) {
-        let (q, y) = (f64::from(p).clamp(NE_ETA, 1.0 - NE_ETA), f64::from(y));
-        prod[0] *= y * q + (1.0 - y) * (1.0 - q);
+        let y = f64::from(y);
+        prod[0] *= hard_likelihood(clamped(p), y);
         pos[0] += y;
     }
     for l in 0..LANES {
