@@ -448,24 +448,35 @@ impl GreedyTrace {
         // Ahead of `t` in the stable sort: more memory, or as much and earlier in the proposal.
         let ahead = order.partition_point(|&i| self.keys[i] > key || (self.keys[i] == key && i < t));
         order.insert(ahead, t);
-        let start = ahead.min(self.position[t]);
-        Some((|| {
-            let mut devices = self.states[start].clone();
-            check_bound(&devices, bound, alt.table)?;
-            let at = offsets(proposal);
-            let mut assignment: Assignment = vec![0; at[proposal.len()]];
-            // Uniform options, and those placed before `start`: as traced.
-            let kept = |i: usize| i != t && (self.position[i] == usize::MAX || self.position[i] < start);
-            for i in (0..proposal.len()).filter(|&i| kept(i)) {
-                assignment[at[i]..at[i + 1]].copy_from_slice(&self.assignment[self.at[i]..self.at[i + 1]]);
-            }
-            for &i in &order[start..] {
-                let o = proposal[i];
-                place(o, &mut devices, topo, &mut assignment[at[i]..at[i + 1]])?;
-                check_bound(&devices, bound, o.table)?;
-            }
-            Ok(assignment)
-        })())
+        Some(self.resume(proposal, t, &order, ahead.min(self.position[t]), topo, bound))
+    }
+
+    /// Places `proposal` (`order` its placement order) from the traced devices after `start`
+    /// placements, the options placed before them and the uniform ones keeping their traced
+    /// ranks.
+    fn resume(
+        &self,
+        proposal: &[&ShardingOption],
+        t: usize,
+        order: &[usize],
+        start: usize,
+        topo: &Topology,
+        bound: Option<f64>,
+    ) -> Result<Assignment, PartitionFailure> {
+        let mut devices = self.states[start].clone();
+        check_bound(&devices, bound, proposal[t].table)?;
+        let at = offsets(proposal);
+        let mut assignment: Assignment = vec![0; at[proposal.len()]];
+        let kept = |i: usize| i != t && (self.position[i] == usize::MAX || self.position[i] < start);
+        for i in (0..proposal.len()).filter(|&i| kept(i)) {
+            assignment[at[i]..at[i + 1]].copy_from_slice(&self.assignment[self.at[i]..self.at[i + 1]]);
+        }
+        for &i in &order[start..] {
+            let o = proposal[i];
+            place(o, &mut devices, topo, &mut assignment[at[i]..at[i + 1]])?;
+            check_bound(&devices, bound, o.table)?;
+        }
+        Ok(assignment)
     }
 }
 
