@@ -73,24 +73,22 @@ fn pack_batch_avx2(p: &[f32], y: &[f32], w: Option<&[f32]>, out: &mut [u64]) -> 
 
 #[inline(always)]
 fn pack_batch_body(p: &[f32], y: &[f32], w: Option<&[f32]>, out: &mut [u64]) -> KeySpan {
-    let (mut and, mut or) = (u32::MAX, 0u32);
+    let mut span = KeySpan::default();
     match w {
         Some(w) => {
             for (((o, &p), &y), &w) in out.iter_mut().zip(p).zip(y).zip(w) {
                 *o = pack(p, y, w);
-                and &= (*o >> 32) as u32;
-                or |= (*o >> 32) as u32;
+                span.add((*o >> 32) as u32);
             }
         }
         None => {
             for ((o, &p), &y) in out.iter_mut().zip(p).zip(y) {
                 *o = pack(p, y, 1.0);
-                and &= (*o >> 32) as u32;
-                or |= (*o >> 32) as u32;
+                span.add((*o >> 32) as u32);
             }
         }
     }
-    KeySpan { and, or }
+    span
 }
 
 #[inline]
@@ -280,11 +278,9 @@ impl SampleWindow {
         } else {
             None
         };
-        let packed: VecDeque<u64> =
-            predictions.iter().zip(&labels).zip(&weights).map(|((&p, &y), &w)| pack(p, y, w)).collect();
-        let mut span = KeySpan::default();
-        packed.iter().for_each(|&r| span.add((r >> 32) as u32));
-        Ok(Self { packed, soft_labels: soft.then(|| labels.into()), groups, span })
+        let mut packed = vec![0u64; n];
+        let span = pack_batch(&predictions, &labels, Some(&weights), &mut packed);
+        Ok(Self { packed: packed.into(), soft_labels: soft.then(|| labels.into()), groups, span })
     }
 
     /// Hard labels only (`None` with soft labels): `fold` of the samples by descending
