@@ -1,5 +1,6 @@
 //! Recommendation metrics with TorchRec's definitions (NE, log loss, AUC, grouped AUC, AUPRC,
-//! NDCG, session recall and the sum-state family).
+//! NDCG, session recall and the sum-state family), and next-item HR@K / NDCG@K under full
+//! ranking.
 //!
 //! Every metric accumulates its state over batches (`update`) and reports on demand
 //! (`compute`); `reset` starts over. State is kept in `f64`. The definitions follow
@@ -18,6 +19,7 @@
 mod auc;
 mod auprc;
 mod error;
+mod full_ranking;
 mod kernels;
 mod metric;
 mod ne;
@@ -32,6 +34,7 @@ mod window;
 pub use auc::AucMetric;
 pub use auprc::{AUPRC_BINS, AuprcMetric, SplitAuprc};
 pub use error::MetricError;
+pub use full_ranking::{FullRankingMetric, target_ranks};
 pub use kernels::NE_ETA;
 pub use metric::{Metric, TaskBatch, validate_batch};
 pub(crate) use metric::{check_groups, validate_inputs, weight_at};
