@@ -21,6 +21,11 @@ use syn::visit::Visit;
 /// The most lines of non-test code one source file may hold.
 const MAX_CODE_LINES: usize = 900;
 
+/// The most lines one function may span, from `fn` to its closing brace (doc comments and
+/// attributes aside). A loop that grows past it wants typed parts, as `Job::run` got
+/// (`engine/src/trainer.rs`), not more branches.
+const MAX_FN_LINES: usize = 200;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
@@ -504,6 +509,82 @@ fn no_source_file_over_the_line_limit() {
         }
     }
     assert!(over.is_empty(), "files over {MAX_CODE_LINES} lines of non-test code:\n  {}", over.join("\n  "));
+}
+
+/// Every non-test function of `file` (free, in an `impl` or a trait with a body) as (name, line,
+/// lines spanned from `fn` to the closing brace).
+fn function_lengths(file: &Path) -> Vec<(String, usize, usize)> {
+    struct Fns(Vec<(String, usize, usize)>);
+    impl Fns {
+        fn add(&mut self, sig: &syn::Signature, body: &syn::Block) {
+            let (first, last) = (sig.fn_token.span.start().line, body.brace_token.span.close().end().line);
+            self.0.push((sig.ident.to_string(), first, last - first + 1));
+        }
+    }
+    impl<'ast> Visit<'ast> for Fns {
+        fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
+            if !is_cfg_test(&m.attrs) {
+                syn::visit::visit_item_mod(self, m);
+            }
+        }
+        fn visit_item_fn(&mut self, f: &'ast syn::ItemFn) {
+            self.add(&f.sig, &f.block);
+            syn::visit::visit_item_fn(self, f);
+        }
+        fn visit_impl_item_fn(&mut self, f: &'ast syn::ImplItemFn) {
+            self.add(&f.sig, &f.block);
+            syn::visit::visit_impl_item_fn(self, f);
+        }
+        fn visit_trait_item_fn(&mut self, f: &'ast syn::TraitItemFn) {
+            if let Some(body) = &f.default {
+                self.add(&f.sig, body);
+            }
+            syn::visit::visit_trait_item_fn(self, f);
+        }
+    }
+    let mut fns = Fns(Vec::new());
+    fns.visit_file(&parse(file));
+    fns.0
+}
+
+#[test]
+fn no_function_over_the_length_limit() {
+    let mut over = Vec::new();
+    let mut longest = Vec::new();
+    for root_file in crate_roots() {
+        let tree = ModTree::build(&root_file);
+        let files: BTreeSet<&PathBuf> = tree.files.values().filter(|f| !tree.test_files.contains(*f)).collect();
+        for f in files {
+            for (name, line, n) in function_lengths(f) {
+                longest.push((n, format!("{}:{line} {name}", rel(f))));
+                if n > MAX_FN_LINES {
+                    over.push(format!("{}:{line} fn {name} ({n} lines)", rel(f)));
+                }
+            }
+        }
+    }
+    longest.sort_by(|a, b| b.cmp(a));
+    for (n, at) in longest.iter().take(10) {
+        println!("{n:>4} lines  {at}");
+    }
+    assert!(over.is_empty(), "functions over {MAX_FN_LINES} lines:\n  {}", over.join("\n  "));
+}
+
+/// The length check itself: a function's span runs from `fn` to its closing brace, nested
+/// functions count on their own, and test modules are left out.
+#[test]
+fn the_length_check_measures_functions_from_fn_to_brace() {
+    let dir = std::env::temp_dir().join(format!("trainrec-fn-lengths-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("lib.rs");
+    let text = "/// Doc.\n#[inline]\nfn a() {\n    fn inner() {}\n    inner();\n}\nstruct S;\nimpl S {\n    fn b(&self) {}\n}\n\
+                trait T {\n    fn c() {\n        let _ = 1;\n    }\n    fn d();\n}\n#[cfg(test)]\nmod tests {\n    fn e() {}\n}\n";
+    std::fs::write(&file, text).unwrap();
+    let got = function_lengths(&file);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let want: Vec<(String, usize, usize)> =
+        vec![("a".into(), 3, 4), ("inner".into(), 4, 1), ("b".into(), 9, 1), ("c".into(), 12, 3)];
+    assert_eq!(got, want);
 }
 
 /// The checker itself, on a made-up crate: a circle through a re-export, through `super::`,

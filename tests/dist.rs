@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
@@ -143,6 +144,9 @@ impl Sampler for Slices {
     }
 }
 
+/// Recipes written so far by this test process (each gets its own run directory).
+static RUNS: AtomicUsize = AtomicUsize::new(0);
+
 fn recipe(dir: &Path, world: usize, sharding: &str, dedup: bool, mc: bool) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let path = dir.join(format!("w{world}-{sharding}-{dedup}-{mc}.toml"));
@@ -209,7 +213,11 @@ kind = "auc"
 [[metrics]]
 kind = "ne"
 "#,
-        out = dir.join(format!("run-{world}-{sharding}-{dedup}-{has_mc}")).display()
+        // One directory per recipe written: tests running side by side (the weighted and the
+        // unweighted row-wise runs) would otherwise share one, and the second is refused its lock.
+        out = dir
+            .join(format!("run-{world}-{sharding}-{dedup}-{has_mc}-{}", RUNS.fetch_add(1, Ordering::Relaxed)))
+            .display()
     );
     write_atomic(&path, &text);
     path

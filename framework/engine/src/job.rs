@@ -5,14 +5,11 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
-use indicatif::ProgressBar;
 use tch::{Device, nn};
 use trainrec_comm::ProcessGroup;
-use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext, Split};
+use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext};
 use trainrec_embedding::EmbeddingBagCollection;
-use trainrec_metrics::ThroughputMetric;
 use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
@@ -20,11 +17,8 @@ use crate::data_parallel::{DEFAULT_BUCKET_MIB, DataParallel};
 use crate::error::EngineError;
 use crate::inputs::{BatchLayout, RetrievalSpec, job_tasks, planned_tables, retrieval_spec, sparse_outputs};
 use crate::managed_collisions::McTables;
-use crate::pipeline::{Pipeline, ReadAhead, StepParts};
+use crate::pipeline::{Pipeline, StepParts};
 use crate::registry::Registry;
-use crate::run_dir::{
-    MetricsLog, Progress, RunSummary, human, log_write, progress_bar, truncate_metrics, write_atomic,
-};
 use crate::runtime::{configure_threads, with_torch_seed};
 use crate::sparse_arch::SparseArch;
 
@@ -282,16 +276,24 @@ impl Job {
     }
 
     /// Whether every rank has `has` (collective across ranks; this rank's alone otherwise).
-    fn all_ranks_have(&self, has: bool) -> Result<bool, EngineError> {
+    pub(crate) fn all_ranks_have(&self, has: bool) -> Result<bool, EngineError> {
         match &self.sync {
             Some(sync) => sync.all_have(has),
             None => Ok(has),
         }
     }
 
+    /// Whether any rank has `has` (collective across ranks; this rank's alone otherwise).
+    pub(crate) fn any_rank_has(&self, has: bool) -> Result<bool, EngineError> {
+        match &self.sync {
+            Some(sync) => sync.any_has(has),
+            None => Ok(has),
+        }
+    }
+
     /// The cache counters of every rank's cached tables (collective across ranks): a shard's
     /// name is unique to its rank, so rank 0 writes every cached shard's counters.
-    fn cache_values_of_all_ranks(&self) -> Result<BTreeMap<String, f64>, EngineError> {
+    pub(crate) fn cache_values_of_all_ranks(&self) -> Result<BTreeMap<String, f64>, EngineError> {
         let mine = self.sparse.cache_metric_values();
         let Some(sync) = &self.sync else { return Ok(mine) };
         use trainrec_comm::ProcessGroupExt;
@@ -318,7 +320,7 @@ impl Job {
     /// `[batch, tasks]` row-major (before this step's update); and the examples of the step's
     /// global batch (every rank's). `ahead`, the next batch, is staged as the pipeline says
     /// ([`Pipeline::step`]).
-    fn train_step_with(
+    pub(crate) fn train_step_with(
         &mut self,
         batch: &Batch,
         want_predictions: bool,
@@ -473,289 +475,5 @@ impl Job {
     /// with any world size and plan) instead of starting afresh.
     pub fn resume_from(&mut self, ck: crate::checkpoint::Checkpoint) {
         self.resume = Some(ck);
-    }
-
-    /// Trains for the recipe's steps or epochs, evaluating on its cadence, and writes the run
-    /// directory (`resolved.toml`, `metrics.jsonl`, checkpoints every `train.checkpoint_every`
-    /// steps). After [`Job::resume_from`] it goes on from the checkpoint, keeping the lines of
-    /// the metric files up to its step.
-    ///
-    /// Across ranks every rank calls it: rank 0 writes the run directory and shows progress;
-    /// the losses and metrics it reports are the global batch's.
-    pub fn run(&mut self) -> Result<RunSummary, EngineError> {
-        let out_dir = self.recipe.output_dir();
-        let lead = self.sync.as_ref().is_none_or(|s| s.pg.rank() == 0);
-        // One writer per run directory: rank 0 holds its lock until the run ends (every rank
-        // learns of a refusal: the others would wait in the first collective otherwise).
-        let lock = if lead { Some(crate::run_dir::lock_run_dir(&out_dir, "trainrec run")) } else { None };
-        let refused = lock.as_ref().and_then(|l| l.as_ref().err().map(|e| e.to_string()));
-        if let Some(sync) = &self.sync
-            && !sync.all_have(refused.is_none())?
-            && refused.is_none()
-        {
-            return Err(EngineError::Internal("rank 0 could not lock the run directory".into()));
-        }
-        let _lock = lock.transpose()?;
-        let resume = self.resume.take();
-
-        let train = self.recipe.train.clone();
-        // The metrics on training batches (one suite per task), when asked for.
-        let mut train_suites = match train.metrics_every {
-            Some(_) => {
-                let w = Some(train.metrics_window as usize);
-                Some((0..self.layout.tasks.len()).map(|_| self.metric_suite(w)).collect::<Result<Vec<_>, _>>()?)
-            }
-            None => None,
-        };
-        // TorchRec's throughput metric: examples per second after 100 warm-up steps.
-        let mut throughput = ThroughputMetric::new(
-            trainrec_metrics::THROUGHPUT_WARMUP_STEPS,
-            trainrec_metrics::THROUGHPUT_WINDOW_SECONDS,
-        )?;
-        let mut p = match &resume {
-            Some(ck) => self.restore(ck, train_suites.as_deref_mut(), &mut throughput)?,
-            None => Progress { world_size: self.sync.as_ref().map_or(1, |s| s.pg.world_size()), ..Default::default() },
-        };
-        let mut log = if lead {
-            std::fs::create_dir_all(&out_dir).map_err(|e| EngineError::Io { path: out_dir.clone(), source: e })?;
-            write_atomic(&out_dir.join("resolved.toml"), self.resolved_toml.as_bytes())?;
-            let plan_path = out_dir.join("plan.json");
-            trainrec_planner::save_plan(&self.plan, &plan_path)
-                .map_err(|e| EngineError::Io { path: plan_path, source: e })?;
-            if resume.is_some() {
-                truncate_metrics(&out_dir, p.step)?;
-            }
-            Some(MetricsLog::open(&out_dir.join("metrics.jsonl"), resume.is_some())?)
-        } else {
-            None
-        };
-        drop(resume);
-
-        let bs = self.recipe.data.batch_size;
-        let bar = if lead { progress_bar(train.steps, train.progress) } else { ProgressBar::hidden() };
-        if p.step > 0 {
-            bar.set_position(p.step);
-        }
-        let start = Instant::now();
-        let start_samples = p.samples;
-        let epochs = train.epochs.unwrap_or(u64::MAX);
-        let done = |step: u64| train.steps.is_some_and(|n| step >= n);
-        // Whether `checkpoint_every` saves after `step`.
-        let periodic_save = |step: u64| train.checkpoint_every.is_some_and(|n| step.is_multiple_of(n));
-        let pipeline = self.recipe.pipeline.clone();
-        // The pipelines that read ahead. A job with managed collisions or dynamic tables has
-        // batch i+1's ids remapped when it is staged, during step i (the rows it hands to new
-        // ids are reset after step i's update), so it trains as `base` does. Tables remapped on
-        // their owning ranks remap after the input dist, in the step: those jobs train as
-        // `base`.
-        let pipelined =
-            pipeline.reads_ahead() && !self.mc.has_owner_remap() && !matches!(self.sparse, SparseArch::Lookup(_));
-        if pipeline.reads_ahead() && self.mc.has_owner_remap() {
-            tracing::warn!(
-                "pipeline.kind = {:?}: a job whose managed-collision or dynamic tables are remapped on their \
-                 owning ranks trains as `base` (the remap follows each batch's input dist)",
-                pipeline.kind
-            );
-        }
-        // With id maps, a batch is staged (its ids counted) only during a step after which
-        // nothing reads the maps: not before an evaluation, a checkpoint or a stop.
-        let remaps = !self.mc.is_empty();
-        let eval_step =
-            |step: u64| train.eval_every.is_some_and(|n| step.is_multiple_of(n)) && train.steps != Some(step);
-        let mut stop_after_next: Option<i32> = None;
-        let (first_epoch, first_step) = (p.epoch, p.step);
-        let mut stopped: Option<i32> = None;
-        'outer: for epoch in first_epoch..epochs {
-            if done(p.step) {
-                break;
-            }
-            if epoch != p.epoch {
-                (p.epoch, p.in_epoch) = (epoch, 0);
-            }
-            let _span = tracing::info_span!("epoch", epoch).entered();
-            let batches = self.sampler.batches(Split::Train, epoch, bs)?;
-            // Shuffled within this rank's share, from (seed, epoch, rank): a resumed run that
-            // skips the batches it had read reads the uninterrupted run's next ones.
-            let batches = match &self.recipe.data.shuffle {
-                Some(s) => {
-                    let rank = self.sync.as_ref().map_or(0, |s| s.pg.rank());
-                    let seed = trainrec_data::shuffle_seed(self.recipe.run.seed, epoch, rank);
-                    trainrec_data::shuffled(batches, s, bs, seed)
-                }
-                None => batches,
-            };
-            // The pipelines read batch i+1 ahead (every rank agrees it exists before its input
-            // dist starts) and stage it while batch i trains.
-            let mut feed = ReadAhead::new(batches, pipelined, pipeline.execute_all_batches);
-            // Resuming mid-epoch: the batches the checkpointed run had read.
-            feed.skip(p.in_epoch)?;
-            while let Some(batch) = feed.next_batch(|has| self.all_ranks_have(has))? {
-                // The libtorch generator (dropout) restarts from the seed and step, so a
-                // resumed run draws what an uninterrupted one does.
-                with_torch_seed((self.recipe.run.seed ^ p.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)) as i64, || ());
-                // A failed read of the next batch is reported after this one is trained, as
-                // `base` would.
-                let read_error = feed.read_ahead(!done(p.step + 1), |has| self.all_ranks_have(has))?;
-                if feed.dropped {
-                    break;
-                }
-                let _step_span = tracing::debug_span!("step", step = p.step + 1).entered();
-                // A learning-rate schedule is at the run's step (a resumed run's included).
-                self.updates = p.step;
-                let step_now = p.step + 1;
-                let ahead = feed.ahead().filter(|_| {
-                    !remaps || !(eval_step(step_now) || periodic_save(step_now) || stop_after_next.is_some())
-                });
-                let (loss, predictions, examples) = self.train_step_with(&batch, train_suites.is_some(), ahead)?;
-                if let (Some(suites), Some(pr)) = (&mut train_suites, &predictions) {
-                    self.feed_all_ranks(suites, pr, &batch)?;
-                }
-                p.step += 1;
-                p.in_epoch += 1;
-                p.samples += examples as u64;
-                let step = p.step;
-                throughput.update(examples as u64);
-                let mut window = p.window();
-                window.0 += loss;
-                window.1 += 1;
-                bar.inc(1);
-                // One `train` line per step that reports anything.
-                let mut train_values = BTreeMap::new();
-                if step % train.log_every == 0 {
-                    let mean = window.0 / window.1 as f64;
-                    p.first_loss.get_or_insert(mean.to_bits());
-                    p.last_loss = mean.to_bits();
-                    window = (0.0, 0);
-                    let rate = (p.samples - start_samples) as f64 / start.elapsed().as_secs_f64();
-                    bar.set_message(format!("loss {mean:.4} · {} samples/s", human(rate)));
-                    if bar.is_hidden() && lead {
-                        tracing::info!(step, loss = mean, samples_per_s = rate as u64, "train");
-                    }
-                    let mut values = BTreeMap::from([("loss".to_string(), mean)]);
-                    values.extend(throughput.compute());
-                    values.extend(self.mc.report(self.sync.as_ref().map(|s| s.pg.as_ref()))?);
-                    values.extend(self.cache_values_of_all_ranks()?);
-                    values.extend(self.lr_values());
-                    train_values.extend(values);
-                }
-                p.set_window(window);
-                if let (Some(every), Some(suites)) = (train.metrics_every, &train_suites)
-                    && step % every == 0
-                {
-                    train_values.extend(self.values(suites));
-                }
-                if !train_values.is_empty() {
-                    log_write(&mut log, step, "train", &std::mem::take(&mut train_values))?;
-                }
-                if eval_step(step) {
-                    let m = self.evaluate()?;
-                    if lead {
-                        tracing::info!(step, metrics = ?m, "eval");
-                    }
-                    log_write(&mut log, step, "eval", &m)?;
-                    p.set_last_eval(&m);
-                }
-                if periodic_save(step) {
-                    self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
-                }
-                if lead && crate::checkpoint::failpoint("abort-after-step", step) {
-                    // A test's stand-in for `kill -9` (on rank 0, once its lines are written): no
-                    // unwinding, nothing flushed.
-                    std::process::abort();
-                }
-                if let Some(e) = read_error {
-                    return Err(e.into());
-                }
-                // A stop signal on any rank: every rank ends after this step, or, when the id
-                // maps already counted the batch staged ahead, after that batch's step.
-                if let Some(signal) = stop_after_next.take() {
-                    stopped = Some(signal);
-                    break 'outer;
-                }
-                if crate::runtime::stop_handlers_installed() {
-                    let mine = crate::runtime::stop_signal().unwrap_or(0);
-                    let any = match &self.sync {
-                        Some(s) => s.any_has(mine != 0)?,
-                        None => mine != 0,
-                    };
-                    if any {
-                        let signal = if mine != 0 { mine } else { libc::SIGTERM };
-                        if self.pipeline.has_remapped() {
-                            stop_after_next = Some(signal);
-                        } else {
-                            stopped = Some(signal);
-                            break 'outer;
-                        }
-                    }
-                }
-                if done(step) {
-                    break 'outer;
-                }
-            }
-            // Nothing staged outlives its epoch (a dropped batch's input dist and prefetch).
-            self.pipeline.discard(&mut self.sparse);
-            if p.in_epoch == 0 && feed.dropped {
-                return Err(EngineError::Pipeline(
-                    "pipeline.execute_all_batches = false drops the batch in flight when an epoch's data ends, \
-                     and this epoch has only one batch: set it to true or give the epoch more data"
-                        .into(),
-                ));
-            }
-            if p.in_epoch == 0 {
-                return Err(EngineError::EmptySplit("train"));
-            }
-        }
-        self.pipeline.discard(&mut self.sparse);
-        let (step, samples) = (p.step, p.samples);
-        if let Some(signal) = stopped {
-            // Tests hold the stop here (a slow save) to send a second signal meanwhile.
-            if let Some(ms) = crate::checkpoint::failpoint_value("stop-hold-ms") {
-                std::thread::sleep(std::time::Duration::from_millis(ms));
-            }
-            // Stopped: the step's checkpoint (the loss window and the data position in it) and
-            // the metric files as they are, so the resumed run writes the uninterrupted one's.
-            if !periodic_save(step) {
-                self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
-            }
-            bar.finish_and_clear();
-            if let Some(log) = log {
-                log.finish()?;
-            }
-            return Err(EngineError::Stopped { signal, step, run_dir: out_dir });
-        }
-        let (sum, n) = p.window();
-        if n > 0 {
-            let mean = sum / n as f64;
-            p.first_loss.get_or_insert(mean.to_bits());
-            p.last_loss = mean.to_bits();
-            log_write(&mut log, step, "train", &BTreeMap::from([("loss".to_string(), mean)]))?;
-        }
-        let final_eval = match p.last_eval() {
-            Some(m) if train.eval_every.is_some_and(|n| step % n == 0) && train.steps != Some(step) => m,
-            _ => {
-                let m = self.evaluate()?;
-                log_write(&mut log, step, "eval", &m)?;
-                p.set_last_eval(&m);
-                m
-            }
-        };
-        // The trained model, unless `checkpoint_every` saved this step already (or nothing
-        // trained: a run resumed from its last step).
-        if train.final_checkpoint && !periodic_save(step) && step > first_step {
-            self.save_checkpoint(&p, train_suites.as_deref(), &throughput)?;
-        }
-        bar.finish_and_clear();
-        if let Some(log) = log {
-            log.finish()?;
-        }
-        let last_loss = f64::from_bits(p.last_loss);
-        Ok(RunSummary {
-            steps: step,
-            samples,
-            train_seconds: start.elapsed().as_secs_f64(),
-            eval: final_eval,
-            train_loss: (p.first_loss.map_or(last_loss, f64::from_bits), last_loss),
-            output_dir: out_dir,
-        })
     }
 }

@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 use trainrec_data::{Batch, Split};
 use trainrec_metrics::{
     AucMetric, AuprcMetric, LifetimeMetric, Metric, MetricSuite, NeMetric, SessionMetric, SessionMetricKind,
-    SplitAuprc, SumMetric, SumMetricKind, TaskBatch,
+    SplitAuprc, SumMetric, SumMetricKind, TaskBatch, ThroughputMetric,
 };
 use trainrec_models::Autocast;
 use trainrec_recipe::MetricSection;
@@ -18,6 +18,60 @@ use crate::error::EngineError;
 use crate::inputs::{RetrievalSpec, expand_vbe};
 use crate::job::Job;
 use crate::pipeline::tensors;
+
+/// The metrics on training batches: one suite per task when `train.metrics_every` asks for
+/// them, and TorchRec's throughput metric (examples per second after 100 warm-up steps).
+pub(crate) struct TrainMetrics {
+    /// Per task, the recipe's metrics over training batches (lifetime and windowed).
+    pub suites: Option<Vec<MetricSuite>>,
+    /// Examples per second.
+    pub throughput: ThroughputMetric,
+}
+
+impl TrainMetrics {
+    /// The training metrics `job`'s recipe asks for.
+    pub(crate) fn new(job: &Job) -> Result<Self, EngineError> {
+        let train = &job.recipe.train;
+        let suites = match train.metrics_every {
+            Some(_) => {
+                let w = Some(train.metrics_window as usize);
+                Some((0..job.layout.tasks.len()).map(|_| job.metric_suite(w)).collect::<Result<Vec<_>, _>>()?)
+            }
+            None => None,
+        };
+        Ok(Self { suites, throughput: Self::throughput()? })
+    }
+
+    /// No training metrics, a fresh throughput (a job loaded for evaluation or inference).
+    pub(crate) fn none() -> Result<Self, EngineError> {
+        Ok(Self { suites: None, throughput: Self::throughput()? })
+    }
+
+    fn throughput() -> Result<ThroughputMetric, EngineError> {
+        Ok(ThroughputMetric::new(
+            trainrec_metrics::THROUGHPUT_WARMUP_STEPS,
+            trainrec_metrics::THROUGHPUT_WINDOW_SECONDS,
+        )?)
+    }
+
+    /// Whether the step must return its predictions (to feed the suites).
+    pub(crate) fn wants_predictions(&self) -> bool {
+        self.suites.is_some()
+    }
+
+    /// Feeds a step's predictions (every rank's, gathered) to the suites.
+    pub(crate) fn feed(&mut self, job: &Job, predictions: Option<&[f32]>, batch: &Batch) -> Result<(), EngineError> {
+        if let (Some(suites), Some(p)) = (&mut self.suites, predictions) {
+            job.feed_all_ranks(suites, p, batch)?;
+        }
+        Ok(())
+    }
+
+    /// The suites' values, named as [`Job::values`] names them (none without suites).
+    pub(crate) fn values(&self, job: &Job) -> BTreeMap<String, f64> {
+        self.suites.as_deref().map(|s| job.values(s)).unwrap_or_default()
+    }
+}
 
 /// Recall@k over the eval split: per positive pair, is its candidate among the top k of the
 /// corpus for its query.
@@ -118,8 +172,10 @@ impl Job {
     /// The model's eval-mode logits `[batch, tasks]` in fp32 (on the model's device), the
     /// matrix products in `train.dense_precision`.
     fn eval_logits(&self, dense: &Tensor, sparse: &Tensor) -> Tensor {
-        Autocast::run(self.layout.precision, self.layout.device, || self.model.forward(dense, sparse, false))
-            .to_kind(Kind::Float)
+        Autocast::run(self.layout.precision, self.layout.device, || {
+            self.model.forward_input(&trainrec_models::ModelInput::pooled(dense, sparse), false)
+        })
+        .to_kind(Kind::Float)
     }
 
     /// The model's logits `[batch, tasks]` (fp32, on the CPU) for one batch of one rank's job,

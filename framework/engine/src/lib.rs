@@ -6,7 +6,8 @@
 //! - parts: `sparse_arch` (the tables on any backend), [`data_parallel`] (the dense model
 //!   across ranks), `gpu` (one GPU per rank), `managed_collisions` (raw ids to rows);
 //! - pipeline: `pipeline` (the step and what runs ahead of it);
-//! - job: [`job`] (build, train loop), `job_metrics` (metric suites, evaluation),
+//! - job: [`job`] (build, the step), `trainer` (the train loop's cadence, stops, checkpoints
+//!   and run directory), `job_metrics` (metric suites, evaluation),
 //!   [`run_dir`] (the run directory), [`checkpoint`] (save and resume), [`export`];
 //! - launch: [`launch`] (one rank, thread ranks, MPI ranks);
 //! - for programs that drive their own steps: [`dmp`].
@@ -31,6 +32,7 @@ pub mod runtime;
 mod sparse_arch;
 pub mod tensors;
 pub mod torchscript;
+mod trainer;
 /// The registry lives in the plugin crate (plugin authors depend on that crate alone).
 pub use trainrec_plugin::registry;
 

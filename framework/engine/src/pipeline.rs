@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 use trainrec_comm::ProcessGroup;
 use trainrec_data::{Batch, BatchStream, DataError};
 use trainrec_embedding::{BatchContext, EmbeddingEngine};
-use trainrec_models::{Autocast, DenseModel, DenseOptimizer, LossInput};
+use trainrec_models::{Autocast, DenseModel, DenseOptimizer, LossInput, ModelInput};
 use trainrec_recipe::PipelineKind;
 
 use crate::data_parallel::DataParallel;
@@ -483,10 +483,11 @@ impl DenseParts<'_> {
         let model = &mut *self.model;
         let forward = Autocast::run(precision, device, || match model.loss(&input) {
             Some(loss) => {
-                let scores = want_predictions.then(|| tch::no_grad(|| model.forward(dense, sparse, true)));
+                let scores = want_predictions
+                    .then(|| tch::no_grad(|| model.forward_input(&ModelInput::pooled(dense, sparse), true)));
                 Forward::Objective(loss, scores)
             }
-            None => Forward::Logits(model.forward(dense, sparse, true)),
+            None => Forward::Logits(model.forward_input(&ModelInput::pooled(dense, sparse), true)),
         });
         let (loss, logits) = match forward {
             // The model's own objective; predictions (for training metrics) are its scores.

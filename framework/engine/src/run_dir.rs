@@ -138,6 +138,27 @@ impl Progress {
     pub(crate) fn set_last_eval(&mut self, m: &BTreeMap<String, f64>) {
         self.last_eval = Some(m.iter().map(|(k, v)| (k.clone(), v.to_bits())).collect());
     }
+    /// Counts a step that trained `examples` (every rank's) with loss `loss`.
+    pub(crate) fn advance(&mut self, examples: usize, loss: f64) {
+        self.step += 1;
+        self.in_epoch += 1;
+        self.samples += examples as u64;
+        let (sum, n) = self.window();
+        self.set_window((sum + loss, n + 1));
+    }
+    /// The mean loss of the window, which closes (it becomes the last reported loss, and the
+    /// first when none was); `None` when the window is empty.
+    pub(crate) fn close_window(&mut self) -> Option<f64> {
+        let (sum, n) = self.window();
+        if n == 0 {
+            return None;
+        }
+        let mean = sum / n as f64;
+        self.first_loss.get_or_insert(mean.to_bits());
+        self.last_loss = mean.to_bits();
+        self.set_window((0.0, 0));
+        Some(mean)
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so a reader never sees a
@@ -166,19 +187,6 @@ pub fn write_atomic_with(
         let _ = std::fs::remove_file(&tmp);
     }
     written
-}
-
-/// Writes a line to the run's metric files (rank 0 only: other ranks have none).
-pub(crate) fn log_write(
-    log: &mut Option<MetricsLog>,
-    step: u64,
-    split: &str,
-    metrics: &BTreeMap<String, f64>,
-) -> Result<(), EngineError> {
-    match log {
-        Some(l) => l.write(step, split, metrics),
-        None => Ok(()),
-    }
 }
 
 /// `metrics.jsonl`: one JSON object per line, each line written whole and flushed, so the file
@@ -311,4 +319,99 @@ pub(crate) fn progress_bar(steps: Option<u64>, enabled: bool) -> ProgressBar {
     };
     bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
     bar
+}
+
+/// The run directory as a training run holds it: the lock (rank 0), `resolved.toml`,
+/// `plan.json`, the metric files and the progress bar. Ranks other than 0 hold none of them
+/// and write nothing.
+pub(crate) struct RunDir {
+    dir: PathBuf,
+    lead: bool,
+    _lock: Option<RunDirLock>,
+    log: Option<MetricsLog>,
+    bar: ProgressBar,
+}
+
+impl RunDir {
+    /// Locks `dir` for a training run on rank 0 (`lead`). Collective across ranks (`sync`):
+    /// every rank learns of a refusal, since the others would wait in the first collective
+    /// otherwise.
+    pub(crate) fn lock(
+        dir: PathBuf,
+        lead: bool,
+        sync: Option<&crate::data_parallel::DataParallel>,
+    ) -> Result<Self, EngineError> {
+        let lock = if lead { Some(lock_run_dir(&dir, "trainrec run")) } else { None };
+        let refused = lock.as_ref().is_some_and(|l| l.is_err());
+        if let Some(sync) = sync
+            && !sync.all_have(!refused)?
+            && !refused
+        {
+            return Err(EngineError::Internal("rank 0 could not lock the run directory".into()));
+        }
+        let lock = lock.transpose()?;
+        Ok(Self { dir, lead, _lock: lock, log: None, bar: ProgressBar::hidden() })
+    }
+
+    /// Writes `resolved.toml` and `plan.json` whole and opens the metric files: a run resumed
+    /// after step `resumed_at` keeps their lines up to it and appends. Shows the progress bar
+    /// (`steps` long, when known, at `step`) when `show`.
+    pub(crate) fn open(
+        &mut self,
+        resolved_toml: &str,
+        plan: &trainrec_planner::Plan,
+        resumed_at: Option<u64>,
+        steps: Option<u64>,
+        show: bool,
+    ) -> Result<(), EngineError> {
+        if !self.lead {
+            return Ok(());
+        }
+        let dir = &self.dir;
+        std::fs::create_dir_all(dir).map_err(|e| EngineError::Io { path: dir.clone(), source: e })?;
+        write_atomic(&dir.join("resolved.toml"), resolved_toml.as_bytes())?;
+        let plan_path = dir.join("plan.json");
+        trainrec_planner::save_plan(plan, &plan_path).map_err(|e| EngineError::Io { path: plan_path, source: e })?;
+        if let Some(step) = resumed_at {
+            truncate_metrics(dir, step)?;
+        }
+        self.log = Some(MetricsLog::open(&dir.join("metrics.jsonl"), resumed_at.is_some())?);
+        self.bar = progress_bar(steps, show);
+        if let Some(step) = resumed_at.filter(|&s| s > 0) {
+            self.bar.set_position(step);
+        }
+        Ok(())
+    }
+
+    /// The directory.
+    pub(crate) fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether this rank writes the directory (rank 0).
+    pub(crate) fn lead(&self) -> bool {
+        self.lead
+    }
+
+    /// The progress bar (hidden off a terminal, on other ranks, or with `train.progress = false`).
+    pub(crate) fn bar(&self) -> &ProgressBar {
+        &self.bar
+    }
+
+    /// Writes a line to the metric files (rank 0; the others have none).
+    pub(crate) fn write(&mut self, step: u64, split: &str, metrics: &BTreeMap<String, f64>) -> Result<(), EngineError> {
+        match &mut self.log {
+            Some(log) => log.write(step, split, metrics),
+            None => Ok(()),
+        }
+    }
+
+    /// Clears the progress bar and flushes the metric files; the lock goes with `self`.
+    pub(crate) fn finish(self) -> Result<(), EngineError> {
+        self.bar.finish_and_clear();
+        match self.log {
+            Some(log) => log.finish(),
+            None => Ok(()),
+        }
+    }
 }

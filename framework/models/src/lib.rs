@@ -2,8 +2,8 @@
 //! optimizers.
 //!
 //! Embedding tables are not tch parameters: a model receives the pooled embeddings as a leaf
-//! tensor `[batch, sum(dims)]` and the engine feeds that tensor's gradient to the fused sparse
-//! update.
+//! tensor `[batch, sum(dims)]` (and a sequence feature's unpooled rows as a jagged leaf, see
+//! [`sequence`]) and the engine feeds those tensors' gradient to the fused sparse update.
 
 pub mod autocast;
 pub mod deepfm;
@@ -12,6 +12,7 @@ pub mod dlrm_dcn;
 mod mlp;
 pub mod optim;
 pub mod script;
+pub mod sequence;
 pub mod two_tower;
 
 pub use autocast::Autocast;
@@ -19,6 +20,7 @@ pub use deepfm::{DeepFm, DeepFmConfig, DeepFmFactory};
 pub use dlrm::{Dlrm, DlrmConfig, DlrmFactory};
 pub use dlrm_dcn::{DlrmDcn, DlrmDcnConfig, DlrmDcnFactory};
 pub use optim::{DenseOptimizer, OptimStateError};
+pub use sequence::{JaggedEmbeddings, JaggedError, ModelInput};
 pub use two_tower::{TwoTower, TwoTowerConfig, TwoTowerFactory};
 
 use tch::{Tensor, nn};
@@ -37,6 +39,9 @@ pub enum ModelError {
     /// [`DenseModel::torchscript`]).
     #[error("this model has no TorchScript form (its DenseModel does not implement `torchscript`)")]
     NotScriptable,
+    /// A model's input is inconsistent (jagged lengths that do not match their rows).
+    #[error("model input: {0}")]
+    Input(#[from] sequence::JaggedError),
     /// Writing the TorchScript file failed.
     #[error("TorchScript export: {0}")]
     Script(#[from] script::ScriptError),
@@ -61,6 +66,14 @@ pub trait DenseModel: Send {
     /// Logits `[batch, num_tasks]` from dense features `[batch, num_dense]` and pooled
     /// embeddings `[batch, sum(dims)]`.
     fn forward(&self, dense: &Tensor, sparse: &Tensor, train: bool) -> Tensor;
+
+    /// Logits `[batch, num_tasks]` from everything the batch holds for the model: dense
+    /// features, pooled embeddings and its sequence features' jagged embeddings. The engine
+    /// calls this one. The default reads the dense features and pooled embeddings alone
+    /// ([`DenseModel::forward`]); a model of sequences overrides it.
+    fn forward_input(&self, input: &ModelInput<'_>, train: bool) -> Tensor {
+        self.forward(input.dense, input.pooled, train)
+    }
 
     /// Whether the model takes its pooled embeddings in the precision its matrix products run
     /// in (bf16 under `train.dense_precision = "bf16"`) instead of fp32. Only for a model whose

@@ -173,115 +173,19 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             }
         }
     }
-    // Dynamic tables: settings in range, sum pooling, not managed collisions too, and the
-    // table's features its own (they carry raw ids).
+    // Dynamic tables and managed collisions: settings in range, and the table's features its
+    // own (they carry raw ids of a larger id space, which no other table could read).
     for (t, table) in recipe.tables.iter().enumerate() {
-        let Some(d) = &table.dynamic else { continue };
-        let dp = tables.index(t).key("dynamic");
-        if table.mc.is_some() {
-            out.push(
-                Diagnostic::new(dp.clone(), "a table is either dynamic or managed-collision, not both")
-                    .with_help("drop tables[].mc: a dynamic table gives every admitted id its own row"),
-            );
+        if let Some(d) = &table.dynamic {
+            check_dynamic(&mut out, &tables, t, table, d);
+            out.extend(own_features(&tables.index(t), table, &used_by, "dynamic"));
         }
-        if table.pooling != trainrec_types::PoolingMode::Sum {
-            out.push(
-                Diagnostic::new(tables.index(t).key("pooling"), "a dynamic table pools by sum")
-                    .with_help("an id without a row adds nothing to its bag; a mean would count it"),
-            );
-        }
-        if table.rows > u64::from(u32::MAX) {
-            out.push(Diagnostic::new(
-                tables.index(t).key("rows"),
-                format!("a dynamic table holds at most {} rows (its capacity)", u32::MAX),
-            ));
-        }
-        if d.admit_after == 0 {
-            out.push(Diagnostic::new(dp.key("admit_after"), "admit_after must be at least 1"));
-        }
-        if !(d.admit_probability > 0.0 && d.admit_probability <= 1.0) {
-            out.push(Diagnostic::new(
-                dp.key("admit_probability"),
-                format!("admit_probability = {} must be in (0, 1]", d.admit_probability),
-            ));
-        }
-        if d.ttl_steps == Some(0) {
-            out.push(
-                Diagnostic::new(dp.key("ttl_steps"), "ttl_steps must be at least 1")
-                    .with_help("leave it out to keep rows until a new id needs their room"),
-            );
-        }
-        if d.sketch_width == 0 || d.sketch_depth == 0 || d.sketch_width.saturating_mul(d.sketch_depth) > 1 << 30 {
-            let key = if d.sketch_width == 0 { "sketch_width" } else { "sketch_depth" };
-            out.push(Diagnostic::new(
-                dp.key(key),
-                format!(
-                    "the admission sketch needs 1..=2^30 counters in all (width {} x depth {})",
-                    d.sketch_width, d.sketch_depth
-                ),
-            ));
-        }
-        if d.id_space == 0 || d.id_space > 1 << 63 {
-            out.push(Diagnostic::new(dp.key("id_space"), "id_space must be in 1..=2^63"));
-        }
-        let parts = u64::from(d.partitions);
-        if parts == 0 || (parts - 1) * table.rows.div_ceil(parts.max(1)) >= table.rows {
-            out.push(
-                Diagnostic::new(
-                    dp.key("partitions"),
-                    format!(
-                        "partitions = {} must be 1 or more, each with rows of its own: {} rows in blocks of {} leave \
-                         the last one without any",
-                        d.partitions,
-                        table.rows,
-                        table.rows.div_ceil(parts.max(1))
-                    ),
-                )
-                .with_help("use fewer partitions, or more rows"),
-            );
-        }
-        out.extend(own_features(&tables.index(t), table, &used_by, "dynamic"));
     }
-    // Managed collisions: settings in range, and the table's features its own (their raw ids
-    // come from the larger id space, which no other table could read).
     for (t, table) in recipe.tables.iter().enumerate() {
-        let Some(mc) = &table.mc else { continue };
-        let mp = tables.index(t).key("mc");
-        let zch = mc.zch_size.unwrap_or(table.rows);
-        if zch == 0 || zch > table.rows {
-            out.push(
-                Diagnostic::new(
-                    mp.key("zch_size"),
-                    format!("zch_size = {zch} must be in 1..={} (the table's rows)", table.rows),
-                )
-                .with_help("leave it out to track rows - 1 ids and keep the last row for the others"),
-            );
-        } else if zch == table.rows && table.rows < 2 {
-            out.push(Diagnostic::new(tables.index(t).key("rows"), "a managed-collision table needs at least 2 rows"));
+        if let Some(mc) = &table.mc {
+            check_mc(&mut out, &tables, t, table, mc);
+            out.extend(own_features(&tables.index(t), table, &used_by, "managed-collision"));
         }
-        if mc.input_hash_size == 0 {
-            out.push(Diagnostic::new(mp.key("input_hash_size"), "input_hash_size must be at least 1"));
-        }
-        if mc.eviction_interval == 0 {
-            out.push(Diagnostic::new(mp.key("eviction_interval"), "eviction_interval must be at least 1"));
-        }
-        positive_f64(&mut out, mp.key("decay_exponent"), mc.decay_exponent);
-        if let Some(n) = mc.partitions {
-            let config = trainrec_types::McConfig {
-                rows: table.rows,
-                zch_size: zch.clamp(1, table.rows),
-                input_hash_size: mc.input_hash_size.max(1),
-                policy: trainrec_types::McEvictionPolicy::Lfu,
-                decay_exponent: 1.0,
-                eviction_interval: 1,
-            };
-            if let Err(m) = config.partitions(n) {
-                out.push(Diagnostic::new(mp.key("partitions"), m).with_help(
-                    "each partition needs raw ids and rows of its own (two rows when it keeps a reserved row)",
-                ));
-            }
-        }
-        out.extend(own_features(&tables.index(t), table, &used_by, "managed-collision"));
     }
     let mut shared: Vec<_> = used_by.into_iter().filter(|(_, uses)| uses.len() > 1).collect();
     shared.sort();
@@ -316,6 +220,13 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
     }
     positive_f64(&mut out, opt.key("dense").key("lr"), recipe.optimizer.dense.lr());
 
+    check_train_metrics_tasks(&mut out, recipe);
+    out
+}
+
+/// `[train]`'s schedule, the `[[metrics]]` list and the `[[tasks]]`.
+fn check_train_metrics_tasks(out: &mut Vec<Diagnostic>, recipe: &Recipe) {
+    let root = KeyPath::root();
     let train = root.key("train");
     match (recipe.train.steps, recipe.train.epochs) {
         (None, None) => out.push(
@@ -400,7 +311,127 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
                 .with_help("add a [[metrics]] entry such as kind = \"auc\""),
         );
     }
-    out
+}
+
+/// A dynamic table's settings (`tables[t].dynamic`): in range, sum pooling, not managed
+/// collisions too.
+fn check_dynamic(
+    out: &mut Vec<Diagnostic>,
+    tables: &KeyPath,
+    t: usize,
+    table: &crate::TableSection,
+    d: &crate::DynamicSection,
+) {
+    let dp = tables.index(t).key("dynamic");
+    if table.mc.is_some() {
+        out.push(
+            Diagnostic::new(dp.clone(), "a table is either dynamic or managed-collision, not both")
+                .with_help("drop tables[].mc: a dynamic table gives every admitted id its own row"),
+        );
+    }
+    if table.pooling != trainrec_types::PoolingMode::Sum {
+        out.push(
+            Diagnostic::new(tables.index(t).key("pooling"), "a dynamic table pools by sum")
+                .with_help("an id without a row adds nothing to its bag; a mean would count it"),
+        );
+    }
+    if table.rows > u64::from(u32::MAX) {
+        out.push(Diagnostic::new(
+            tables.index(t).key("rows"),
+            format!("a dynamic table holds at most {} rows (its capacity)", u32::MAX),
+        ));
+    }
+    if d.admit_after == 0 {
+        out.push(Diagnostic::new(dp.key("admit_after"), "admit_after must be at least 1"));
+    }
+    if !(d.admit_probability > 0.0 && d.admit_probability <= 1.0) {
+        out.push(Diagnostic::new(
+            dp.key("admit_probability"),
+            format!("admit_probability = {} must be in (0, 1]", d.admit_probability),
+        ));
+    }
+    if d.ttl_steps == Some(0) {
+        out.push(
+            Diagnostic::new(dp.key("ttl_steps"), "ttl_steps must be at least 1")
+                .with_help("leave it out to keep rows until a new id needs their room"),
+        );
+    }
+    if d.sketch_width == 0 || d.sketch_depth == 0 || d.sketch_width.saturating_mul(d.sketch_depth) > 1 << 30 {
+        let key = if d.sketch_width == 0 { "sketch_width" } else { "sketch_depth" };
+        out.push(Diagnostic::new(
+            dp.key(key),
+            format!(
+                "the admission sketch needs 1..=2^30 counters in all (width {} x depth {})",
+                d.sketch_width, d.sketch_depth
+            ),
+        ));
+    }
+    if d.id_space == 0 || d.id_space > 1 << 63 {
+        out.push(Diagnostic::new(dp.key("id_space"), "id_space must be in 1..=2^63"));
+    }
+    let parts = u64::from(d.partitions);
+    if parts == 0 || (parts - 1) * table.rows.div_ceil(parts.max(1)) >= table.rows {
+        out.push(
+            Diagnostic::new(
+                dp.key("partitions"),
+                format!(
+                    "partitions = {} must be 1 or more, each with rows of its own: {} rows in blocks of {} leave \
+                     the last one without any",
+                    d.partitions,
+                    table.rows,
+                    table.rows.div_ceil(parts.max(1))
+                ),
+            )
+            .with_help("use fewer partitions, or more rows"),
+        );
+    }
+}
+
+/// A managed-collision table's settings (`tables[t].mc`), in range.
+fn check_mc(
+    out: &mut Vec<Diagnostic>,
+    tables: &KeyPath,
+    t: usize,
+    table: &crate::TableSection,
+    mc: &crate::ManagedCollisionSection,
+) {
+    let mp = tables.index(t).key("mc");
+    let zch = mc.zch_size.unwrap_or(table.rows);
+    if zch == 0 || zch > table.rows {
+        out.push(
+            Diagnostic::new(
+                mp.key("zch_size"),
+                format!("zch_size = {zch} must be in 1..={} (the table's rows)", table.rows),
+            )
+            .with_help("leave it out to track rows - 1 ids and keep the last row for the others"),
+        );
+    } else if zch == table.rows && table.rows < 2 {
+        out.push(Diagnostic::new(tables.index(t).key("rows"), "a managed-collision table needs at least 2 rows"));
+    }
+    if mc.input_hash_size == 0 {
+        out.push(Diagnostic::new(mp.key("input_hash_size"), "input_hash_size must be at least 1"));
+    }
+    if mc.eviction_interval == 0 {
+        out.push(Diagnostic::new(mp.key("eviction_interval"), "eviction_interval must be at least 1"));
+    }
+    positive_f64(out, mp.key("decay_exponent"), mc.decay_exponent);
+    if let Some(n) = mc.partitions {
+        let config = trainrec_types::McConfig {
+            rows: table.rows,
+            zch_size: zch.clamp(1, table.rows),
+            input_hash_size: mc.input_hash_size.max(1),
+            policy: trainrec_types::McEvictionPolicy::Lfu,
+            decay_exponent: 1.0,
+            eviction_interval: 1,
+        };
+        if let Err(m) = config.partitions(n) {
+            out.push(
+                Diagnostic::new(mp.key("partitions"), m).with_help(
+                    "each partition needs raw ids and rows of its own (two rows when it keeps a reserved row)",
+                ),
+            );
+        }
+    }
 }
 
 /// Features of table `table` (at recipe key `at`) that another table reads too, for a table of

@@ -23,11 +23,12 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 use trainrec_embedding::StatePart;
 use trainrec_embedding::mc::{McState, McStats};
-use trainrec_metrics::{MetricState, MetricSuite, ThroughputMetric};
+use trainrec_metrics::{MetricState, MetricSuite};
 
 use super::format::{Checkpoint, CheckpointError, Contents, Header, TensorData};
 use crate::error::EngineError;
 use crate::job::Job;
+use crate::job_metrics::TrainMetrics;
 use crate::run_dir::Progress;
 
 /// Managed-collision counters of one table (its arrays are tensors).
@@ -98,11 +99,7 @@ impl Job {
     /// this freshly built job, for evaluation or inference; [`Job::resume_from`] resumes
     /// training instead.
     pub fn load_checkpoint(&mut self, ck: &Checkpoint) -> Result<(), EngineError> {
-        let mut throughput = ThroughputMetric::new(
-            trainrec_metrics::THROUGHPUT_WARMUP_STEPS,
-            trainrec_metrics::THROUGHPUT_WINDOW_SECONDS,
-        )?;
-        self.restore(ck, None, &mut throughput).map(|_| ())
+        self.restore(ck, &mut TrainMetrics::none()?).map(|_| ())
     }
 
     /// Replaces a one-rank job's tables by inference tables quantized to `precision` (int8
@@ -124,12 +121,11 @@ impl Job {
     }
 
     /// Saves a checkpoint of the job after `progress.step` into `<output_dir>/checkpoints`
-    /// (every rank calls it). `train_suites` are the training metrics.
+    /// (every rank calls it), with the training metrics `metrics`.
     pub(crate) fn save_checkpoint(
         &self,
         progress: &Progress,
-        train_suites: Option<&[MetricSuite]>,
-        throughput: &ThroughputMetric,
+        metrics: &TrainMetrics,
     ) -> Result<std::path::PathBuf, EngineError> {
         let _span = tracing::info_span!("checkpoint", step = progress.step).entered();
         let pg = self.sync.as_ref().map(|s| s.pg.as_ref());
@@ -199,7 +195,10 @@ impl Job {
                 .iter()
                 .map(|(table, partitions, _)| McRecord { table: table.clone(), partitions: *partitions })
                 .collect();
-            let states = train_suites.map(|suites| suites.iter().map(MetricSuite::state).collect::<Option<Vec<_>>>());
+            let states = metrics
+                .suites
+                .as_deref()
+                .map(|suites| suites.iter().map(MetricSuite::state).collect::<Option<Vec<_>>>());
             let train_metrics = match states {
                 Some(Some(per_task)) => {
                     let mut names = Vec::new();
@@ -227,7 +226,7 @@ impl Job {
                 None => None,
             };
             let mut throughput_arrays = Vec::new();
-            for (a, (name, values)) in throughput.state().arrays.iter().enumerate() {
+            for (a, (name, values)) in metrics.throughput.state().arrays.iter().enumerate() {
                 contents.tensors.push((format!("metrics.throughput.{a}"), TensorData::f64(vec![values.len()], values)));
                 throughput_arrays.push(name.clone());
             }
@@ -248,14 +247,9 @@ impl Job {
     }
 
     /// Restores everything a checkpoint holds into this freshly built job (the same model;
-    /// any world size and plan) and returns the loop's position. `train_suites` are the
-    /// training metrics to restore.
-    pub(crate) fn restore(
-        &mut self,
-        ck: &Checkpoint,
-        train_suites: Option<&mut [MetricSuite]>,
-        throughput: &mut ThroughputMetric,
-    ) -> Result<Progress, EngineError> {
+    /// any world size and plan) and returns the loop's position; `metrics` get the training
+    /// metrics' state.
+    pub(crate) fn restore(&mut self, ck: &Checkpoint, metrics: &mut TrainMetrics) -> Result<Progress, EngineError> {
         let _span = tracing::info_span!("restore", step = ck.manifest.step).entered();
         let state: JobState = serde_json::from_value(ck.manifest.state.clone())
             .map_err(|e| incompatible(ck, format!("its job state does not parse: {e}")))?;
@@ -380,7 +374,7 @@ impl Job {
         }
 
         // Training metrics.
-        match (train_suites, &state.train_metrics) {
+        match (metrics.suites.as_deref_mut(), &state.train_metrics) {
             (Some(suites), Some(names)) => {
                 if names.len() != suites.len() {
                     return Err(incompatible(
@@ -410,7 +404,7 @@ impl Job {
         for (a, name) in state.throughput.iter().enumerate() {
             st.arrays.push((name.clone(), ck.f64(&format!("metrics.throughput.{a}"))?.1));
         }
-        throughput.load_state(&st).map_err(|e| incompatible(ck, format!("throughput: {e}")))?;
+        metrics.throughput.load_state(&st).map_err(|e| incompatible(ck, format!("throughput: {e}")))?;
 
         let mut progress = state.progress;
         let world = self.sync.as_ref().map_or(1, |s| s.pg.world_size());
