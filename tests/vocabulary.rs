@@ -19,7 +19,10 @@ fn spellings<T: Serialize + Copy>(all: &[T]) -> Vec<String> {
 
 #[test]
 fn unit_words_keep_their_spellings() {
-    assert_eq!(spellings(&[PoolingMode::Sum, PoolingMode::Mean]), ["\"sum\"", "\"mean\""]);
+    assert_eq!(
+        spellings(&[PoolingMode::Sum, PoolingMode::Mean, PoolingMode::None]),
+        ["\"sum\"", "\"mean\"", "\"none\""]
+    );
     assert_eq!(
         spellings(&[WeightPrecision::Fp32, WeightPrecision::Fp16, WeightPrecision::Bf16]),
         ["\"fp32\"", "\"fp16\"", "\"bf16\""]

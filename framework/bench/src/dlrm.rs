@@ -325,7 +325,8 @@ impl Parts {
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = trainrec_engine::inputs::sparse_outputs(recipe);
         let num_tasks = trainrec_engine::inputs::job_tasks(recipe, features).len();
-        let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
+        let inputs =
+            ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks, sequences: Vec::new() };
         let kind = recipe.model.kind().unwrap_or_default();
         let factory = registry.model_for(kind).ok_or_else(|| format!("no model {kind}"))?;
         let model = factory.build(&vs.root(), &recipe.model.config(), &inputs).map_err(|e| e.to_string())?;
@@ -639,7 +640,8 @@ pub fn run(b: &DlrmBench) -> Result<String, String> {
     let dense_params: i64 = {
         let vs = nn::VarStore::new(Device::Cpu);
         let (sparse, sparse_dim_keys) = trainrec_engine::inputs::sparse_outputs(&loaded.recipe);
-        let inputs = ModelInputs { num_dense: b.num_dense, sparse, sparse_dim_keys, num_tasks: 1 };
+        let inputs =
+            ModelInputs { num_dense: b.num_dense, sparse, sparse_dim_keys, num_tasks: 1, sequences: Vec::new() };
         if let Some(f) = registry.model_for("dlrm") {
             let _ = f.build(&vs.root(), &loaded.recipe.model.config(), &inputs);
         }

@@ -10,6 +10,15 @@
 //! `id mod rows`), no dense features, one label column `label`, and the raw user id as its
 //! grouping key ([`crate::Batch::groups`], `grouping_key = "user"`) for grouped AUC and NDCG.
 //!
+//! With `history_length = N`, a third sparse feature, `history`, holds the user's history
+//! before the example's rating: the items of the user's training ratings that come earlier in
+//! time (by timestamp, ties by line), oldest first and most recent last, the latest `N` of them
+//! (ids mod the rows of the table that reads `history`). An example never sees its own item or
+//! anything after it, and no eval rating is ever in a history: its item is what the model is
+//! asked about. With `split = "leave_one_out"` (each user's latest rating held out) the eval
+//! example's history is the user's whole training sequence: the next-item protocol of the
+//! sequential-recommendation literature (SASRec, BERT4Rec).
+//!
 //! Sharding with `world_size > 1`: the training rows of an epoch are shuffled (the same
 //! permutation on every rank) and a rank takes the shuffled positions that are `rank` modulo
 //! `world_size`; the eval rows are sharded by user (`user_id mod world_size`), so each user's
@@ -69,6 +78,10 @@ pub enum MovieLensSplit {
     /// timestamp (ties: later line) are eval: a small fraction is leave-last-out, and every
     /// user keeps at least one training rating.
     Temporal,
+    /// Per user, the latest rating by timestamp (ties: later line) is eval, the others train;
+    /// a user with one rating keeps it for training. `eval_fraction` is not read. The
+    /// leave-one-out protocol of next-item recommendation (one held-out item per user).
+    LeaveOneOut,
 }
 
 /// MovieLens ratings (`u.data`, `ratings.csv`, `ratings.dat`) as user and item ids with a
@@ -105,7 +118,16 @@ pub struct MovieLensConfig {
     /// Threads parsing the file at build time.
     #[serde(default = "defaults::num_workers")]
     pub num_workers: usize,
+    /// Gives each example the sparse feature `history`: the items of the user's earlier
+    /// training ratings, most recent last, at most this many (1..=10000). A table must read
+    /// `history` (the item table, to share the items' embeddings, as DIN and SASRec do).
+    /// Unset: no history.
+    #[serde(default)]
+    pub history_length: Option<usize>,
 }
+
+/// The longest history `history_length` may ask for.
+pub const MAX_HISTORY_LENGTH: usize = 10_000;
 
 mod defaults {
     pub fn threshold() -> f64 {
@@ -163,6 +185,69 @@ struct Inner {
     rows: [u64; 2],
     seed: u64,
     shard: Shard,
+    history: Option<History>,
+}
+
+/// The sparse feature holding each example's user history.
+pub const HISTORY: &str = "history";
+
+/// The rows of the table that reads `history`, or an error naming the key that asked for it.
+fn history_rows(ctx: &SamplerContext) -> Result<u64, DataError> {
+    ctx.rows(HISTORY).map_err(|_| {
+        DataError::config(
+            "history_length",
+            "history_length gives examples the sparse feature \"history\", which no table reads: add it to a \
+             table's features (the item table's, to share the items' embeddings)",
+        )
+    })
+}
+
+/// Users' histories: per user, the items of their training ratings in time order, and per
+/// rating, where its history ends in its user's sequence.
+#[derive(Debug)]
+struct History {
+    /// The most ids a history holds.
+    length: usize,
+    /// Per user (dense index): training items (ids mod the history table's rows), oldest first.
+    sequences: Vec<Vec<i64>>,
+    /// Per rating of the file (while building): (user index, training ratings before it).
+    at: Vec<(u32, u32)>,
+    /// The same for the train and the eval ratings, in their order.
+    split_at: [Vec<(u32, u32)>; 2],
+}
+
+impl History {
+    fn new(ratings: &[Rating], eval: &[bool], length: usize, rows: u64) -> Self {
+        let mut users: HashMap<i64, u32> = HashMap::new();
+        let mut by_user: Vec<Vec<usize>> = Vec::new();
+        for (i, r) in ratings.iter().enumerate() {
+            let u = *users.entry(r.user).or_insert_with(|| {
+                by_user.push(Vec::new());
+                (by_user.len() - 1) as u32
+            });
+            by_user[u as usize].push(i);
+        }
+        let mut at = vec![(0, 0); ratings.len()];
+        let mut sequences = Vec::with_capacity(by_user.len());
+        for (u, mut idx) in by_user.into_iter().enumerate() {
+            idx.sort_by_key(|&i| (ratings[i].timestamp, ratings[i].line));
+            let mut seq = Vec::new();
+            for i in idx {
+                at[i] = (u as u32, seq.len() as u32);
+                if !eval[i] {
+                    seq.push(ratings[i].item.rem_euclid(rows as i64));
+                }
+            }
+            sequences.push(seq);
+        }
+        Self { length, sequences, at, split_at: [Vec::new(), Vec::new()] }
+    }
+
+    /// The history of a rating at `(user, before)`: the latest `length` items before it.
+    fn of(&self, (user, before): (u32, u32)) -> &[i64] {
+        let seq = &self.sequences[user as usize][..before as usize];
+        &seq[seq.len().saturating_sub(self.length)..]
+    }
 }
 
 fn parse_id(field: &str, what: &str) -> Result<i64, String> {
@@ -246,13 +331,12 @@ fn resolve_layout(path: &Path, format: MovieLensFormat) -> Result<Layout, DataEr
 impl MovieLensSampler {
     /// The features: sparse `user_id` and `item_id`, no dense features, label `label`,
     /// grouped by user.
-    pub fn feature_schema(_config: &MovieLensConfig) -> FeatureSchema {
-        FeatureSchema {
-            num_dense: 0,
-            sparse: vec!["user_id".to_owned(), "item_id".to_owned()],
-            labels: vec!["label".to_owned()],
-            grouping_key: Some("user".to_owned()),
+    pub fn feature_schema(config: &MovieLensConfig) -> FeatureSchema {
+        let mut sparse = vec!["user_id".to_owned(), "item_id".to_owned()];
+        if config.history_length.is_some() {
+            sparse.push(HISTORY.to_owned());
         }
+        FeatureSchema { num_dense: 0, sparse, labels: vec!["label".to_owned()], grouping_key: Some("user".to_owned()) }
     }
 
     /// Builds the sampler: reads and splits the whole file.
@@ -273,6 +357,14 @@ impl MovieLensSampler {
                 format!("threshold must be a number, found {}", config.threshold),
             ));
         }
+        if let Some(n) = config.history_length
+            && !(1..=MAX_HISTORY_LENGTH).contains(&n)
+        {
+            return Err(DataError::config(
+                "history_length",
+                format!("history_length = {n} must be in 1..={MAX_HISTORY_LENGTH}"),
+            ));
+        }
         stream::existing_path(base_dir, &config.path, "path").map(drop)
     }
 
@@ -287,15 +379,28 @@ impl MovieLensSampler {
         let layout = Arc::new(resolve_layout(&path, config.format)?);
         let ratings = read_ratings(&path, Arc::clone(&layout), &config, workers)?;
         let eval_flags = split_flags(&ratings, &config, ctx.seed);
+        let history = match config.history_length {
+            Some(length) => Some(History::new(&ratings, &eval_flags, length, history_rows(ctx)?)),
+            None => None,
+        };
         let (mut train, mut eval) = (Vec::new(), Vec::new());
-        for (r, is_eval) in ratings.into_iter().zip(eval_flags) {
-            if !is_eval {
+        let mut at = [Vec::new(), Vec::new()];
+        for (i, (r, is_eval)) in ratings.into_iter().zip(eval_flags).enumerate() {
+            let split = if !is_eval {
                 train.push(r);
+                0
             } else if shard.owns(r.user as u64) {
                 eval.push(r);
+                1
+            } else {
+                continue;
+            };
+            if let Some(h) = &history {
+                at[split].push(h.at[i]);
             }
         }
-        Ok(Self { inner: Arc::new(Inner { config, schema, train, eval, rows, seed: ctx.seed, shard }) })
+        let history = history.map(|h| History { at: Vec::new(), split_at: at, ..h });
+        Ok(Self { inner: Arc::new(Inner { config, schema, train, eval, rows, seed: ctx.seed, shard, history }) })
     }
 
     /// The training ratings (all ranks'), in file order.
@@ -390,6 +495,23 @@ fn split_flags(ratings: &[Rating], config: &MovieLensConfig, seed: u64) -> Vec<b
             }
             flags
         }
+        MovieLensSplit::LeaveOneOut => {
+            // Each user's latest rating (timestamp, then line), when the user has two or more.
+            let mut latest: HashMap<i64, (usize, usize)> = HashMap::new();
+            for (i, r) in ratings.iter().enumerate() {
+                let e = latest.entry(r.user).or_insert((i, 0));
+                let best = &ratings[e.0];
+                if (r.timestamp, r.line) > (best.timestamp, best.line) {
+                    e.0 = i;
+                }
+                e.1 += 1;
+            }
+            let mut flags = vec![false; ratings.len()];
+            for (i, n) in latest.into_values() {
+                flags[i] = n > 1;
+            }
+            flags
+        }
     }
 }
 
@@ -401,14 +523,24 @@ impl Inner {
         }
     }
 
-    fn batch(&self, rows: &[Rating], order: &[u32]) -> Result<Batch, DataError> {
+    fn batch(&self, split: Split, order: &[u32]) -> Result<Batch, DataError> {
+        let rows = if split == Split::Train { &self.train } else { &self.eval };
         let n = order.len();
         let mut values = Vec::with_capacity(2 * n);
         values.extend(order.iter().map(|&i| rows[i as usize].user.rem_euclid(self.rows[0] as i64)));
         values.extend(order.iter().map(|&i| rows[i as usize].item.rem_euclid(self.rows[1] as i64)));
+        let mut lengths = vec![1; 2 * n];
+        if let Some(h) = &self.history {
+            let at = &h.split_at[usize::from(split == Split::Eval)];
+            for &i in order {
+                let items = h.of(at[i as usize]);
+                values.extend_from_slice(items);
+                lengths.push(items.len() as u32);
+            }
+        }
         let labels = order.iter().map(|&i| self.label(rows[i as usize].rating)).collect();
         let groups = order.iter().map(|&i| rows[i as usize].user).collect();
-        let sparse = KeyedJaggedTensor::new(self.schema.sparse.clone(), values, None, vec![1; 2 * n], n)?;
+        let sparse = KeyedJaggedTensor::new(self.schema.sparse.clone(), values, None, lengths, n)?;
         Ok(Batch {
             dense: Vec::new(),
             num_dense: 0,
@@ -445,8 +577,7 @@ impl Sampler for MovieLensSampler {
                 return None;
             }
             let end = (start + bs).min(order.len());
-            let rows = if split == Split::Train { &inner.train } else { &inner.eval };
-            let b = inner.batch(rows, &order[start..end]);
+            let b = inner.batch(split, &order[start..end]);
             start = end;
             Some(b)
         })))
@@ -487,6 +618,7 @@ mod tests {
             eval_fraction: 0.0,
             on_bad_row: BadRowPolicy::Fail,
             num_workers: 1,
+            history_length: None,
         }
     }
 
@@ -531,6 +663,78 @@ mod tests {
         let th =
             MovieLensSampler::build(MovieLensConfig { threshold: 3.0, ..config("u.data") }, &ctx(&dir, 100)).unwrap();
         assert_eq!(examples(&th, Split::Train, 0, 10).iter().map(|e| e.2).sum::<f32>(), 4.0);
+    }
+
+    /// (user, item, history) of every example of a pass, sorted.
+    fn histories(s: &MovieLensSampler, split: Split, bs: usize) -> Vec<(i64, i64, Vec<i64>)> {
+        let mut out = Vec::new();
+        for b in s.batches(split, 0, bs).unwrap() {
+            let b = b.unwrap();
+            let h = b.sparse.feature(2);
+            for r in 0..b.batch_size {
+                out.push((b.sparse.feature(0).values[r], b.sparse.feature(1).values[r], h.bag(r).to_vec()));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn history_ctx(dir: &Path, rows: u64) -> SamplerContext {
+        let mut c = ctx(dir, rows);
+        c.feature_rows.insert("history".into(), rows);
+        c
+    }
+
+    #[test]
+    fn leave_one_out_holds_out_each_users_latest_and_histories_hold_only_the_past() {
+        let dir = temp_file("history", "u.data", U_DATA);
+        let cfg = MovieLensConfig {
+            split: MovieLensSplit::LeaveOneOut,
+            history_length: Some(5),
+            eval_fraction: 0.9,
+            ..config("u.data")
+        };
+        let s = MovieLensSampler::build(cfg.clone(), &history_ctx(&dir, 100)).unwrap();
+        assert_eq!(s.schema().sparse, ["user_id", "item_id", "history"]);
+        // User 1 rated 10 (t=100), 12 (t=200), 11 (t=300); user 2: 10 (t=50), 13 (t=60); user 3
+        // one rating, kept for training. The latest of each user is eval; a history is the
+        // user's earlier training items, oldest first.
+        let want_eval = vec![(1, 11, vec![10, 12]), (2, 13, vec![10])];
+        assert_eq!(histories(&s, Split::Eval, 1), want_eval);
+        let want_train = vec![(1, 10, vec![]), (1, 12, vec![10]), (2, 10, vec![]), (3, 11, vec![])];
+        assert_eq!(histories(&s, Split::Train, 3), want_train);
+        // At most `history_length` ids, the most recent kept; ids modulo the history table.
+        let short = MovieLensSampler::build(MovieLensConfig { history_length: Some(1), ..cfg.clone() }, &{
+            let mut c = history_ctx(&dir, 100);
+            c.feature_rows.insert("history".into(), 11);
+            c
+        })
+        .unwrap();
+        assert_eq!(histories(&short, Split::Eval, 2), vec![(1, 11, vec![1]), (2, 13, vec![10])]);
+        // A random split: eval ratings are in no history (user 1's t=200 rating is eval here,
+        // so user 1's t=300 example sees item 10 alone).
+        let random = MovieLensConfig { split: MovieLensSplit::Random, eval_fraction: 0.0, ..cfg };
+        let all = MovieLensSampler::build(random, &history_ctx(&dir, 100)).unwrap();
+        assert!(histories(&all, Split::Train, 4).contains(&(1, 11, vec![10, 12])));
+        let ratings = all.train_ratings().to_vec();
+        let flags: Vec<bool> = ratings.iter().map(|r| r.item == 12).collect();
+        let h = History::new(&ratings, &flags, 5, 100);
+        let user1_latest = ratings.iter().position(|r| r.item == 11).unwrap();
+        assert_eq!(h.of(h.at[user1_latest]), [10]);
+    }
+
+    #[test]
+    fn a_history_no_table_reads_or_out_of_range_is_an_error_naming_the_key() {
+        let dir = temp_file("history-err", "u.data", U_DATA);
+        let cfg = MovieLensConfig { history_length: Some(3), ..config("u.data") };
+        let e = MovieLensSampler::build(cfg, &ctx(&dir, 100)).unwrap_err();
+        assert!(matches!(&e, DataError::Config { key, .. } if key == "history_length"), "{e}");
+        assert!(e.to_string().contains("no table reads"), "{e}");
+        for n in [0, MAX_HISTORY_LENGTH + 1] {
+            let cfg = MovieLensConfig { history_length: Some(n), ..config("u.data") };
+            let e = MovieLensSampler::check(&cfg, &dir).unwrap_err();
+            assert!(e.to_string().contains("history_length"), "{e}");
+        }
     }
 
     #[test]

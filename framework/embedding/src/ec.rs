@@ -94,6 +94,56 @@ impl EmbeddingCollection {
         self.core.set_state(name, &state)
     }
 
+    /// Scales every table's learning rate by `multiplier` (a schedule's), as
+    /// [`crate::EmbeddingBagCollection::set_lr_multiplier`] does.
+    pub fn set_lr_multiplier(&mut self, multiplier: f64) {
+        self.core.set_lr_multiplier(multiplier);
+    }
+
+    /// Every table whole with its optimizer state and optimizer steps, as checkpoint blocks.
+    pub fn local_shards(&self) -> Vec<crate::LocalShard> {
+        self.core
+            .tables
+            .iter()
+            .map(|t| {
+                let (name, rows, dim) = (&t.config.name, t.config.rows, t.config.dim);
+                crate::LocalShard {
+                    table: name.clone(),
+                    table_shape: [rows as usize, dim],
+                    rows: 0..rows,
+                    cols: 0..dim,
+                    replicated: false,
+                    weights: self.core.weights(name).unwrap_or_default(),
+                    optimizer_state: self.core.state(name).unwrap_or_default(),
+                    step_count: self.core.step_count(name).unwrap_or(0),
+                    stored: None,
+                }
+            })
+            .collect()
+    }
+
+    /// Restores whole tables from blocks [`Self::local_shards`] gave.
+    pub fn load_local_shards(&mut self, shards: Vec<crate::LocalShard>) -> Result<(), EmbeddingError> {
+        for s in shards {
+            let t = self.core.table_index(&s.table).map(|t| &self.core.tables[t].config);
+            let shape = t.map(|c| [c.rows as usize, c.dim]);
+            if shape != Some(s.table_shape) || s.rows != (0..s.table_shape[0] as u64) || s.cols != (0..s.table_shape[1])
+            {
+                return Err(EmbeddingError::Shape(format!(
+                    "table \"{}\": a block of rows {:?} x columns {:?} of a {:?} table is not a whole table of this \
+                     collection",
+                    s.table, s.rows, s.cols, s.table_shape
+                )));
+            }
+            self.core.set_weights(&s.table, &s.weights)?;
+            if !s.optimizer_state.is_empty() {
+                self.core.set_state(&s.table, &s.optimizer_state)?;
+            }
+            self.core.set_step_count(&s.table, s.step_count)?;
+        }
+        Ok(())
+    }
+
     /// Per-id lookups.
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<SequenceEmbeddings, EmbeddingError> {
         let keys = self.core.resolve(kjt)?;

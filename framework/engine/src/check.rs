@@ -6,12 +6,11 @@ use std::path::Path;
 use trainrec_recipe::plan::plan_diagnostic;
 
 use trainrec_data::{DataError, FeatureSchema};
-use trainrec_models::ModelInputs;
 use trainrec_recipe::{
     Diagnostic, Diagnostics, KeyPath, LoadOptions, LoadedRecipe, Recipe, check_plugin_section, check_semantics,
 };
 
-use crate::inputs::{recipe_plan, recipe_plan_input, sparse_outputs};
+use crate::inputs::{model_inputs, recipe_plan, recipe_plan_input};
 use crate::registry::Registry;
 
 /// Converts a sampler config error into a diagnostic under `data.sampler`.
@@ -54,6 +53,7 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     problems.extend(plugin_metric_problems(recipe, registry));
     if let Some(f) = &features {
         problems.extend(task_problems(recipe, f));
+        problems.extend(unread_features(recipe, f));
         if f.grouping_key.is_none() {
             problems.extend(grouping_problems(recipe, recipe.data.sampler.kind().unwrap_or_default()));
         }
@@ -66,10 +66,10 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     });
     if model_problems.is_empty() {
         if let (Some(factory), Some(features)) = (recipe.model.kind().and_then(|k| registry.model_for(k)), &features) {
-            let (sparse, sparse_dim_keys) = sparse_outputs(recipe);
             // Every declared task needs a logit, even one whose label column is unknown.
             let num_tasks = if recipe.tasks.is_empty() { features.labels.len() } else { recipe.tasks.len() };
-            let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
+            let inputs = model_inputs(recipe, features, num_tasks);
+            problems.extend(sequence_problems(recipe, factory));
             let model_checks = factory.check(&recipe.model.config(), &inputs);
             let ranks = recipe.metrics.iter().any(|m| matches!(m, trainrec_recipe::MetricSection::RecallAtK { .. }));
             if model_checks.is_empty() && ranks {
@@ -100,6 +100,66 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
 }
 
 /// `[[tasks]]` naming label columns the sampler does not have.
+/// Sequence tables feeding a model that reads no sequences: named at each table's `pooling`.
+fn sequence_problems(recipe: &Recipe, factory: &dyn trainrec_models::ModelFactory) -> Vec<Diagnostic> {
+    if factory.reads_sequences() {
+        return Vec::new();
+    }
+    let tables = recipe.tables.iter().enumerate().filter(|(_, t)| crate::inputs::is_sequence(t));
+    tables
+        .map(|(t, table)| {
+            Diagnostic::new(
+                KeyPath::root().key("tables").index(t).key("pooling"),
+                format!(
+                    "table \"{}\" is a sequence table (pooling = \"none\"), but model kind \"{}\" reads no sequence \
+                     features",
+                    table.name,
+                    factory.kind()
+                ),
+            )
+            .with_help(
+                "pool the table (pooling = \"sum\" or \"mean\"), or use a model that reads sequences (a plugin whose \
+                 TypedModel sets READS_SEQUENCES)",
+            )
+        })
+        .collect()
+}
+
+/// The sparse features a built-in sampler produces that no table reads. A built-in sampler
+/// hashes each feature's ids into the rows of the table that reads it, so it refuses to start
+/// without one; this names the feature before any data is read. (A plugin sampler decides for
+/// itself what it needs.)
+fn unread_features(recipe: &Recipe, features: &FeatureSchema) -> Vec<Diagnostic> {
+    let kind = recipe.data.sampler.kind().unwrap_or_default();
+    if Registry::builtin().sampler_for(kind).is_none() {
+        return Vec::new();
+    }
+    let read: std::collections::BTreeSet<&str> = recipe
+        .tables
+        .iter()
+        .flat_map(|t| t.features.iter().map(|f| trainrec_recipe::FeatureRef::parse(f).input))
+        .collect();
+    let unread: Vec<&str> = features.sparse.iter().map(String::as_str).filter(|f| !read.contains(f)).collect();
+    let history = trainrec_data::movielens::HISTORY;
+    let (at, help) = match unread.as_slice() {
+        [] => return Vec::new(),
+        [f] if kind == "movielens" && *f == history => (
+            KeyPath::root().key("data").key("sampler").key("history_length"),
+            format!("add \"{history}\" to a table's features (the item table's, to share the items' embeddings)"),
+        ),
+        _ => (KeyPath::root().key("tables"), "add each to a table's features".to_string()),
+    };
+    let names: Vec<String> = unread.iter().map(|f| format!("\"{f}\"")).collect();
+    let what = if unread.len() == 1 { "feature" } else { "features" };
+    vec![
+        Diagnostic::new(
+            at,
+            format!("the {kind} sampler produces sparse {what} {}, which no table reads", names.join(", ")),
+        )
+        .with_help(help),
+    ]
+}
+
 fn task_problems(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Vec<Diagnostic> {
     let sampler = recipe.data.sampler.kind().unwrap_or_default();
     let mut out = Vec::new();

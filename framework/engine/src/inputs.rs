@@ -10,17 +10,42 @@ use trainrec_embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
 use trainrec_models::{DenseModel, ModelInputs};
 use trainrec_planner::{Plan, PlanError, PlanInput, explain, load_plan};
 use trainrec_recipe::plan::plan_input;
-use trainrec_recipe::{FeatureRef, KeyPath, MetricSection, Recipe};
+use trainrec_recipe::{FeatureRef, KeyPath, MetricSection, Recipe, TableSection};
 
 use crate::error::EngineError;
 use crate::registry::Registry;
 use crate::runtime::with_torch_seed;
 
+/// Whether a recipe table is a sequence table (`pooling = "none"`: an `EmbeddingCollection`,
+/// whose features reach the model as jagged embeddings instead of pooled columns).
+pub fn is_sequence(table: &TableSection) -> bool {
+    table.pooling == trainrec_types::PoolingMode::None
+}
+
+/// The sequence features of the recipe's sequence tables: (name, dim), in table order.
+pub fn sequence_outputs(recipe: &Recipe) -> Vec<(String, usize)> {
+    let tables = recipe.tables.iter().filter(|t| is_sequence(t));
+    tables.flat_map(|t| t.features.iter().map(|f| (f.clone(), t.dim))).collect()
+}
+
+/// What the dense model sees of the job: its dense features, pooled outputs, sequence
+/// features and tasks.
+pub fn model_inputs(recipe: &Recipe, features: &FeatureSchema, num_tasks: usize) -> ModelInputs {
+    let (sparse, sparse_dim_keys) = sparse_outputs(recipe);
+    ModelInputs {
+        num_dense: features.num_dense,
+        sparse,
+        sparse_dim_keys,
+        num_tasks,
+        sequences: sequence_outputs(recipe),
+    }
+}
+
 /// The pooled outputs of the embedding tables: (name, dim) and the key of each one's dim.
 pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
     let mut outputs = Vec::new();
     let mut keys = Vec::new();
-    for (t, table) in recipe.tables.iter().enumerate() {
+    for (t, table) in recipe.tables.iter().enumerate().filter(|(_, t)| !is_sequence(t)) {
         for f in &table.features {
             outputs.push((f.clone(), table.dim));
             keys.push(KeyPath::root().key("tables").index(t).key("dim"));
@@ -35,7 +60,7 @@ pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
 pub fn gradient_clip_columns(recipe: &Recipe) -> Vec<(i64, i64, f64)> {
     let mut out = Vec::new();
     let mut column = 0;
-    for table in &recipe.tables {
+    for table in recipe.tables.iter().filter(|t| !is_sequence(t)) {
         let max = table.max_gradient.or(recipe.embedding.max_gradient);
         for _ in &table.features {
             if let Some(m) = max {
@@ -121,7 +146,7 @@ pub fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_em
 pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> Vec<EmbeddingBagConfig> {
     let dir = recipe.embedding.offload_dir.clone().unwrap_or_else(|| recipe.output_dir().join("offload"));
     let mut tables = recipe_tables(recipe);
-    for (c, t) in tables.iter_mut().zip(&recipe.tables) {
+    for (c, t) in tables.iter_mut().zip(recipe.tables.iter().filter(|t| !is_sequence(t))) {
         let Some(tp) = plan.tables.iter().find(|p| p.name == c.name) else { continue };
         let Some(backing) = tp.compute_kernel.cache_backing() else { continue };
         // The plan records the load factor used; a pinned `plan.json` written before it did
@@ -135,11 +160,15 @@ pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> 
     tables
 }
 
-/// The recipe's `[[tables]]` as embedding table configurations.
+/// The recipe's pooled `[[tables]]` as embedding table configurations (its sequence tables
+/// are the job's sequence collection's).
 pub(crate) fn recipe_tables(recipe: &Recipe) -> Vec<EmbeddingBagConfig> {
-    recipe
-        .tables
-        .iter()
+    table_configs(recipe.tables.iter().filter(|t| !is_sequence(t)))
+}
+
+/// Recipe tables as embedding table configurations.
+pub(crate) fn table_configs<'a>(tables: impl Iterator<Item = &'a TableSection>) -> Vec<EmbeddingBagConfig> {
+    tables
         .map(|t| {
             let features: Vec<&str> = t.features.iter().map(String::as_str).collect();
             let mut c = EmbeddingBagConfig::new(t.name.clone(), t.rows, t.dim, t.pooling, &features)
@@ -219,9 +248,8 @@ const DENSE_PARAMETER_MULTIPLIER: u64 = 6;
 /// reports why).
 pub fn dense_bytes(recipe: &Recipe, features: &FeatureSchema, registry: &Registry) -> u64 {
     let Some(factory) = recipe.model.kind().and_then(|k| registry.model_for(k)) else { return 0 };
-    let (sparse, sparse_dim_keys) = sparse_outputs(recipe);
     let num_tasks = if recipe.tasks.is_empty() { features.labels.len() } else { recipe.tasks.len() };
-    let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks };
+    let inputs = model_inputs(recipe, features, num_tasks);
     if let Some(n) = factory.parameters(&recipe.model.config(), &inputs) {
         let bytes = n.saturating_mul(4 * u128::from(DENSE_PARAMETER_MULTIPLIER));
         return u64::try_from(bytes).unwrap_or(u64::MAX);

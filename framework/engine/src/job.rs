@@ -10,12 +10,12 @@ use tch::{Device, nn};
 use trainrec_comm::ProcessGroup;
 use trainrec_data::{Batch, FeatureSchema, Sampler, SamplerContext};
 use trainrec_embedding::EmbeddingBagCollection;
-use trainrec_models::{DenseModel, DenseOptimizer, ModelInputs};
+use trainrec_models::{DenseModel, DenseOptimizer};
 use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
 use crate::data_parallel::{DEFAULT_BUCKET_MIB, DataParallel};
 use crate::error::EngineError;
-use crate::inputs::{BatchLayout, RetrievalSpec, job_tasks, planned_tables, retrieval_spec, sparse_outputs};
+use crate::inputs::{BatchLayout, RetrievalSpec, job_tasks, planned_tables, retrieval_spec};
 use crate::managed_collisions::McTables;
 use crate::pipeline::{Pipeline, StepParts};
 use crate::registry::Registry;
@@ -128,7 +128,6 @@ impl Job {
         let sampler = build_sampler(loaded, registry, rank, world_size)?;
 
         let vs = nn::VarStore::new(device);
-        let (sparse, sparse_dim_keys) = sparse_outputs(&recipe);
         let mut plugin_metrics = BTreeMap::new();
         for m in &recipe.metrics {
             if let MetricSection::Plugin { name, .. } = m {
@@ -142,7 +141,7 @@ impl Job {
         if tasks.is_empty() {
             return Err(EngineError::Internal("the job has no task (check_loaded reports why)".into()));
         }
-        let inputs = ModelInputs { num_dense: features.num_dense, sparse, sparse_dim_keys, num_tasks: tasks.len() };
+        let inputs = crate::inputs::model_inputs(&recipe, features, tasks.len());
         let kind = recipe.model.kind().unwrap_or_default();
         let model_factory =
             registry.model_for(kind).ok_or_else(|| EngineError::Internal(format!("model {kind} vanished")))?;
@@ -184,7 +183,7 @@ impl Job {
                     tracing::info!(rank = pg.rank(), gpu = ?target.gpu(), "this rank's shards in the CUDA engine");
                 }
                 (
-                    SparseArch::Train(Box::new(sharded)),
+                    SparseArch::train(Box::new(sharded), None),
                     Some(DataParallel::new(
                         pg,
                         &vs,
@@ -204,9 +203,11 @@ impl Job {
                     Some(target) => {
                         let mut on_gpu = target.collection(&ebc)?;
                         on_gpu.set_bounds_check(recipe.embedding.bounds_check);
-                        (SparseArch::Train(Box::new(on_gpu)), None)
+                        (SparseArch::train(Box::new(on_gpu), None), None)
                     }
-                    None => (SparseArch::Train(Box::new(ebc)), None),
+                    None => {
+                        (SparseArch::train(Box::new(ebc), crate::sequence_tables::SequenceTables::of(&recipe)?), None)
+                    }
                 }
             }
         };
@@ -350,7 +351,7 @@ impl Job {
         }
         if !o.sparse_schedule.is_empty() {
             let m = trainrec_types::lr_multiplier(&o.sparse_schedule, self.updates);
-            self.sparse.engine_mut()?.set_lr_multiplier(m);
+            self.sparse.set_lr_multiplier(m)?;
         }
         Ok(())
     }

@@ -170,12 +170,19 @@ impl Job {
     }
 
     /// The model's eval-mode logits `[batch, tasks]` in fp32 (on the model's device), the
-    /// matrix products in `train.dense_precision`.
-    fn eval_logits(&self, dense: &Tensor, sparse: &Tensor) -> Tensor {
-        Autocast::run(self.layout.precision, self.layout.device, || {
-            self.model.forward_input(&trainrec_models::ModelInput::pooled(dense, sparse), false)
-        })
-        .to_kind(Kind::Float)
+    /// matrix products in `train.dense_precision`, from the batch's dense features, pooled
+    /// embeddings and sequence features.
+    fn eval_logits(&self, dense: &Tensor, sparse: &Tensor, batch: &Batch) -> Result<Tensor, EngineError> {
+        let sequences = match &self.sparse.sequences {
+            Some(s) => {
+                let ids = batch.sparse.full_batch()?;
+                s.forward(&ids, self.layout.device, false)?
+            }
+            None => Vec::new(),
+        };
+        let input = trainrec_models::ModelInput { dense, pooled: sparse, sequences: &sequences };
+        Ok(Autocast::run(self.layout.precision, self.layout.device, || self.model.forward_input(&input, false))
+            .to_kind(Kind::Float))
     }
 
     /// The model's logits `[batch, tasks]` (fp32, on the CPU) for one batch of one rank's job,
@@ -187,7 +194,7 @@ impl Job {
         }
         let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
         let (dense, sparse, _, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
-        Ok(tch::no_grad(|| self.eval_logits(&dense, &sparse).to_device(Device::Cpu)))
+        Ok(tch::no_grad(|| self.eval_logits(&dense, &sparse, &batch))?.to_device(Device::Cpu))
     }
 
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
@@ -230,7 +237,7 @@ impl Job {
             };
             let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
             let (dense, sparse, labels, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
-            let probs = tch::no_grad(|| self.eval_logits(&dense, &sparse).sigmoid().to_device(Device::Cpu));
+            let probs = tch::no_grad(|| self.eval_logits(&dense, &sparse, &batch))?.sigmoid().to_device(Device::Cpu);
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
             seen += self.feed_all_ranks(&mut suites, &probs, &batch)? as u64;

@@ -29,6 +29,7 @@ mod pipeline;
 pub mod reference;
 pub mod run_dir;
 pub mod runtime;
+mod sequence_tables;
 mod sparse_arch;
 pub mod tensors;
 pub mod torchscript;

@@ -22,7 +22,7 @@ use crate::data_parallel::DataParallel;
 use crate::error::EngineError;
 use crate::inputs::{BatchLayout, expand_vbe};
 use crate::managed_collisions::{McTables, Resets};
-use crate::sparse_arch::SparseArch;
+use crate::sparse_arch::{Pooled, SparseArch};
 
 /// The train split's batches as the pipeline reads them: with a pipeline that reads ahead,
 /// batch i+1 is read (and every rank agrees it exists) before batch i trains.
@@ -200,6 +200,11 @@ impl Pipeline {
         let (dense, sparse, labels, mut ctx) = tensors(layout, arch, batch, staged)?;
         let sparse = crate::tensors::pooled_leaf(sparse, layout.precision, &*model);
         let ids = batch.sparse.full_batch()?;
+        // Sequence features: per-id rows as leaves that receive their gradient.
+        let sequences = match &arch.sequences {
+            Some(s) => s.forward(&ids, layout.device, true)?,
+            None => Vec::new(),
+        };
         // Sample weights, and the sum of the global batch's (the loss's denominator): summed
         // across ranks here, before the stage thread may run collectives of its own.
         let weights = match &batch.weights {
@@ -224,8 +229,8 @@ impl Pipeline {
         };
         let prefetch = self.kind == PipelineKind::PrefetchSparseDist;
         let remaps = !mc.is_empty();
-        let stage = match (ahead, &mut *arch) {
-            (Some(next), SparseArch::Train(engine)) if prefetch || engine.stages_ahead() => {
+        let stage = match (ahead, &mut arch.pooled) {
+            (Some(next), Pooled::Train(engine)) if prefetch || engine.stages_ahead() => {
                 Some(Stage { next, engine: engine.as_mut(), prefetch, mc: remaps.then_some((&mut *mc, pg)) })
             }
             _ => None,
@@ -240,7 +245,13 @@ impl Pipeline {
             let dense_part = {
                 let _span = tracing::debug_span!("dense").entered();
                 dense_parts.forward_backward(
-                    StepTensors { dense: &dense, sparse: &sparse, labels: &labels, weights: weights.as_ref() },
+                    StepTensors {
+                        dense: &dense,
+                        sparse: &sparse,
+                        sequences: &sequences,
+                        labels: &labels,
+                        weights: weights.as_ref(),
+                    },
                     &ids,
                     ctx.batch_sizes.as_deref(),
                     batch,
@@ -266,6 +277,9 @@ impl Pipeline {
             let grad = sparse.grad();
             crate::inputs::clip_pooled_gradient(&grad, &layout.gradient_clip);
             arch.backward(&batch.sparse, &mut ctx, &grad)?;
+            if let Some(s) = &mut arch.sequences {
+                s.backward(&ids, &sequences)?;
+            }
             self.last_times = ctx.times;
         }
         let predictions = match logits {
@@ -451,6 +465,8 @@ struct DenseParts<'a> {
 struct StepTensors<'a> {
     dense: &'a Tensor,
     sparse: &'a Tensor,
+    /// The sequence features' jagged embeddings (leaves that receive their gradient).
+    sequences: &'a [(String, trainrec_models::JaggedEmbeddings)],
     labels: &'a Tensor,
     weights: Option<&'a (Tensor, f64)>,
 }
@@ -472,7 +488,8 @@ impl DenseParts<'_> {
         batch: &Batch,
         want_predictions: bool,
     ) -> Result<(f64, Option<Tensor>, usize), EngineError> {
-        let StepTensors { dense, sparse, labels, weights } = t;
+        let StepTensors { dense, sparse, sequences, labels, weights } = t;
+        let model_input = ModelInput { dense, pooled: sparse, sequences };
         let input = LossInput { dense, sparse, labels, ids, weights: weights.map(|(w, _)| w) };
         // With sample weights the built-in loss is already this rank's share of the global
         // batch's (its denominator is the global weight sum).
@@ -483,11 +500,10 @@ impl DenseParts<'_> {
         let model = &mut *self.model;
         let forward = Autocast::run(precision, device, || match model.loss(&input) {
             Some(loss) => {
-                let scores = want_predictions
-                    .then(|| tch::no_grad(|| model.forward_input(&ModelInput::pooled(dense, sparse), true)));
+                let scores = want_predictions.then(|| tch::no_grad(|| model.forward_input(&model_input, true)));
                 Forward::Objective(loss, scores)
             }
-            None => Forward::Logits(model.forward_input(&ModelInput::pooled(dense, sparse), true)),
+            None => Forward::Logits(model.forward_input(&model_input, true)),
         });
         let (loss, logits) = match forward {
             // The model's own objective; predictions (for training metrics) are its scores.

@@ -1,6 +1,7 @@
-//! The job's embedding tables as one value whatever computes them: an engine that trains
-//! ([`EmbeddingEngine`]: the CPU collection, the sharded collection, the CUDA collection), or
-//! lookups only ([`EmbeddingLookup`]: the quantized tables of an evaluation).
+//! The job's embedding tables as one value whatever computes them: the pooled tables, an
+//! engine that trains ([`EmbeddingEngine`]: the CPU collection, the sharded collection, the
+//! CUDA collection) or lookups only ([`EmbeddingLookup`]: the quantized tables of an
+//! evaluation); and the sequence tables, when the recipe has any ([`SequenceTables`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,37 +13,54 @@ use trainrec_sharding::{ShardedEbc, ShardingPlan};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::error::EngineError;
+use crate::sequence_tables::SequenceTables;
 
-/// The job's embedding tables.
-pub(crate) enum SparseArch {
+/// The job's pooled tables.
+pub(crate) enum Pooled {
     /// Tables that train.
     Train(Box<dyn EmbeddingEngine>),
     /// Tables for lookups only (quantized for inference).
     Lookup(Box<dyn EmbeddingLookup>),
 }
 
+/// The job's embedding tables: pooled, and sequence tables when the recipe has any.
+pub(crate) struct SparseArch {
+    pub(crate) pooled: Pooled,
+    pub(crate) sequences: Option<SequenceTables>,
+}
+
 impl SparseArch {
-    /// The tables' lookups.
+    /// Pooled tables that train, and the recipe's sequence tables.
+    pub(crate) fn train(engine: Box<dyn EmbeddingEngine>, sequences: Option<SequenceTables>) -> Self {
+        Self { pooled: Pooled::Train(engine), sequences }
+    }
+
+    /// The pooled tables' lookups.
     pub(crate) fn lookup(&self) -> &dyn EmbeddingLookup {
-        match self {
-            Self::Train(e) => e.as_ref(),
-            Self::Lookup(l) => l.as_ref(),
+        match &self.pooled {
+            Pooled::Train(e) => e.as_ref(),
+            Pooled::Lookup(l) => l.as_ref(),
         }
+    }
+
+    /// Whether the pooled tables are for lookups only.
+    pub(crate) fn lookup_only(&self) -> bool {
+        matches!(self.pooled, Pooled::Lookup(_))
     }
 
     /// The engine, when the tables train.
     pub(crate) fn engine(&self) -> Option<&dyn EmbeddingEngine> {
-        match self {
-            Self::Train(e) => Some(e.as_ref()),
-            Self::Lookup(_) => None,
+        match &self.pooled {
+            Pooled::Train(e) => Some(e.as_ref()),
+            Pooled::Lookup(_) => None,
         }
     }
 
     /// The engine, for what only tables that train do.
     pub(crate) fn engine_mut(&mut self) -> Result<&mut dyn EmbeddingEngine, EngineError> {
-        match self {
-            Self::Train(e) => Ok(e.as_mut()),
-            Self::Lookup(_) => {
+        match &mut self.pooled {
+            Pooled::Train(e) => Ok(e.as_mut()),
+            Pooled::Lookup(_) => {
                 Err(EngineError::Internal("quantized tables are for inference: they do not train or change".into()))
             }
         }
@@ -55,9 +73,9 @@ impl SparseArch {
 
     /// The sharded collection, mutably, when the tables are sharded.
     pub(crate) fn sharded_mut(&mut self) -> Option<&mut ShardedEbc> {
-        match self {
-            Self::Train(e) => e.as_any_mut().downcast_mut(),
-            Self::Lookup(_) => None,
+        match &mut self.pooled {
+            Pooled::Train(e) => e.as_any_mut().downcast_mut(),
+            Pooled::Lookup(_) => None,
         }
     }
 
@@ -87,7 +105,7 @@ impl SparseArch {
 
     /// Unpins batches prefetched into table caches that will not be trained.
     pub(crate) fn discard_prefetched(&mut self) {
-        if let Self::Train(e) = self {
+        if let Pooled::Train(e) = &mut self.pooled {
             e.discard_prefetched();
         }
     }
@@ -105,15 +123,33 @@ impl SparseArch {
         out
     }
 
-    /// This rank's shards of every table (each whole table on one rank); none for lookup-only
-    /// tables.
+    /// This rank's shards of every table (each whole table on one rank), the sequence tables'
+    /// after the pooled ones'; none for lookup-only tables.
     pub(crate) fn local_shards(&self) -> Vec<LocalShard> {
-        self.engine().map(|e| e.local_shards()).unwrap_or_default()
+        let mut out = self.engine().map(|e| e.local_shards()).unwrap_or_default();
+        if let Some(s) = &self.sequences {
+            out.extend(s.local_shards());
+        }
+        out
     }
 
     /// Restores shards in the layout [`SparseArch::local_shards`] gives.
     pub(crate) fn load_local_shards(&mut self, shards: Vec<LocalShard>) -> Result<(), EngineError> {
-        Ok(self.engine_mut()?.load_local_shards(shards)?)
+        let (seq, pooled): (Vec<_>, Vec<_>) =
+            shards.into_iter().partition(|s| self.sequences.as_ref().is_some_and(|q| q.has_table(&s.table)));
+        if let Some(s) = &mut self.sequences {
+            s.load_local_shards(seq)?;
+        }
+        Ok(self.engine_mut()?.load_local_shards(pooled)?)
+    }
+
+    /// Sets the learning-rate multiplier of every table (a schedule's).
+    pub(crate) fn set_lr_multiplier(&mut self, multiplier: f64) -> Result<(), EngineError> {
+        if let Some(s) = &mut self.sequences {
+            s.set_lr_multiplier(multiplier);
+        }
+        self.engine_mut()?.set_lr_multiplier(multiplier);
+        Ok(())
     }
 
     /// Re-initialises rows of table `name` (a managed-collision slot changed hands).
@@ -123,6 +159,9 @@ impl SparseArch {
 
     /// The weights of table `name`, `[rows, dim]` row-major (collective when sharded).
     pub(crate) fn table_weights(&self, name: &str) -> Result<Option<Vec<f32>>, EngineError> {
+        if let Some(s) = self.sequences.as_ref().filter(|s| s.has_table(name)) {
+            return Ok(s.table_weights(name));
+        }
         Ok(self.lookup().table_weights(name)?)
     }
 }

@@ -25,7 +25,6 @@ use crate::job_metrics::TrainMetrics;
 use crate::pipeline::ReadAhead;
 use crate::run_dir::{Progress, RunDir, RunSummary, human};
 use crate::runtime::with_torch_seed;
-use crate::sparse_arch::SparseArch;
 
 /// The recipe's `[train]` schedule: what happens after which step.
 #[derive(Clone, Debug)]
@@ -208,8 +207,7 @@ impl Trainer {
         // is staged, during step i (the rows it hands to new ids are reset after step i's
         // update), so it trains as `base` does. Tables remapped on their owning ranks remap
         // after the input dist, in the step: those jobs train as `base`.
-        let pipelined =
-            pipeline.reads_ahead() && !job.mc.has_owner_remap() && !matches!(job.sparse, SparseArch::Lookup(_));
+        let pipelined = pipeline.reads_ahead() && !job.mc.has_owner_remap() && !job.sparse.lookup_only();
         if pipeline.reads_ahead() && job.mc.has_owner_remap() {
             tracing::warn!(
                 "pipeline.kind = {:?}: a job whose managed-collision or dynamic tables are remapped on their \

@@ -171,6 +171,7 @@ mod tests {
             sparse: dims.iter().enumerate().map(|(i, &d)| (format!("f{i}"), d)).collect(),
             sparse_dim_keys: (0..dims.len()).map(|i| KeyPath::root().key("tables").index(i).key("dim")).collect(),
             num_tasks,
+            sequences: Vec::new(),
         }
     }
 

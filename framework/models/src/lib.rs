@@ -59,6 +59,10 @@ pub struct ModelInputs {
     pub sparse_dim_keys: Vec<KeyPath>,
     /// Number of tasks: the model predicts one logit per task (the job's `[[tasks]]`).
     pub num_tasks: usize,
+    /// Sequence features (read by tables with `pooling = "none"`): (name, dim), in the order
+    /// of [`ModelInput::sequences`]. Only a model that declares
+    /// [`TypedModel::READS_SEQUENCES`] gets any.
+    pub sequences: Vec<(String, usize)>,
 }
 
 /// A dense model: dense features + pooled embeddings in, one logit per example and task out.
@@ -150,6 +154,10 @@ pub trait TypedModel: DenseModel + Sized + 'static {
     type Config: serde::de::DeserializeOwned + schemars::JsonSchema;
     /// The `kind` it registers under.
     const KIND: &'static str;
+    /// Whether the model reads sequence features ([`ModelInput::sequences`], from tables with
+    /// `pooling = "none"`) in [`DenseModel::forward_input`]. A recipe with sequence tables and
+    /// a model that does not is refused at validation. Default: false.
+    const READS_SEQUENCES: bool = false;
     /// Problems of a parsed config against the job's inputs, with full recipe keys
     /// (`model.<key>`, `tables[i].dim`). The default finds none.
     fn check(_config: &Self::Config, _inputs: &ModelInputs) -> Vec<Diagnostic> {
@@ -191,6 +199,9 @@ impl<M: TypedModel> ModelFactory for TypedModelFactory<M> {
     fn kind(&self) -> &'static str {
         M::KIND
     }
+    fn reads_sequences(&self) -> bool {
+        M::READS_SEQUENCES
+    }
     fn config_schema(&self) -> serde_json::Value {
         serde_json::to_value(schemars::schema_for!(M::Config)).expect("schema serializes")
     }
@@ -223,6 +234,10 @@ impl<M: TypedModel> ModelFactory for TypedModelFactory<M> {
 pub trait ModelFactory: Send + Sync {
     /// The `kind` this factory registers under.
     fn kind(&self) -> &'static str;
+    /// Whether its models read sequence features (see [`TypedModel::READS_SEQUENCES`]).
+    fn reads_sequences(&self) -> bool {
+        false
+    }
     /// JSON schema of the config (drives validation and the reference page).
     fn config_schema(&self) -> serde_json::Value;
     /// Checks the config against the job's inputs; keys in the diagnostics are full recipe

@@ -367,6 +367,7 @@ mod tests {
             sparse: vec![("user_id".into(), 2), ("item_id".into(), 2)],
             sparse_dim_keys: (0..2).map(|i| KeyPath::root().key("tables").index(i).key("dim")).collect(),
             num_tasks: 1,
+            sequences: Vec::new(),
         }
     }
 

@@ -12,6 +12,7 @@ fn inputs(num_dense: usize, dims: &[usize], num_tasks: usize) -> ModelInputs {
         sparse: dims.iter().enumerate().map(|(i, &d)| (format!("f{i}"), d)).collect(),
         sparse_dim_keys: (0..dims.len()).map(|i| KeyPath::root().key("tables").index(i).key("dim")).collect(),
         num_tasks,
+        sequences: Vec::new(),
     }
 }
 

@@ -64,6 +64,7 @@ fn check_parity(factory: &dyn ModelFactory, fx: &Fixture, names: &[(&str, &str)]
         sparse: fx.dims.iter().enumerate().map(|(i, &d)| (format!("f{i}"), d)).collect(),
         sparse_dim_keys: (0..fx.dims.len()).map(|i| KeyPath::root().key("tables").index(i).key("dim")).collect(),
         num_tasks: fx.num_tasks,
+        sequences: Vec::new(),
     };
     assert!(factory.check(&fx.config, &inputs).is_empty(), "fixture config passes check");
     let vs = nn::VarStore::new(Device::Cpu);

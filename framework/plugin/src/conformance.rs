@@ -340,6 +340,7 @@ impl ModelCase {
                 sparse: dims.iter().enumerate().map(|(i, &d)| (format!("f{i}"), d)).collect(),
                 sparse_dim_keys: (0..dims.len()).map(key).collect(),
                 num_tasks: 1,
+                sequences: Vec::new(),
             },
             batch_size: 8,
         }

@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use crate::schema::{MetricSection, PluginSection, Recipe};
 use crate::walk;
-use trainrec_types::{Diagnostic, FeatureRef, KeyPath, suggest};
+use trainrec_types::{Diagnostic, FeatureRef, KeyPath, PoolingMode, suggest};
 
 /// Checks a plugin section: `kind` must name one of `kinds`, and the rest must match that
 /// kind's config schema (given by `schema_of`).
@@ -180,6 +180,9 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
             check_dynamic(&mut out, &tables, t, table, d);
             out.extend(own_features(&tables.index(t), table, &used_by, "dynamic"));
         }
+    }
+    for (t, table) in recipe.tables.iter().enumerate().filter(|(_, t)| t.pooling == PoolingMode::None) {
+        check_sequence_table(&mut out, recipe, &tables.index(t), table);
     }
     for (t, table) in recipe.tables.iter().enumerate() {
         if let Some(mc) = &table.mc {
@@ -383,6 +386,50 @@ fn check_dynamic(
                 ),
             )
             .with_help("use fewer partitions, or more rows"),
+        );
+    }
+}
+
+/// A sequence table (`pooling = "none"`, at `at`): what its path runs today, one CPU rank, every
+/// row in memory, no id maps, no gradient clipping.
+fn check_sequence_table(out: &mut Vec<Diagnostic>, recipe: &Recipe, at: &KeyPath, table: &crate::TableSection) {
+    let help = "sequence tables (pooling = \"none\") train on one CPU rank, with every row in memory";
+    if recipe.topology.world_size > 1 {
+        out.push(
+            Diagnostic::new(
+                at.key("pooling"),
+                format!("a sequence table does not shard yet (topology.world_size = {})", recipe.topology.world_size),
+            )
+            .with_help(help),
+        );
+    }
+    if recipe.topology.compute_device == trainrec_types::ComputeDevice::Cuda {
+        out.push(
+            Diagnostic::new(
+                at.key("pooling"),
+                "a sequence table has no CUDA path yet (topology.compute_device = \"cuda\")",
+            )
+            .with_help(help),
+        );
+    }
+    if table.mc.is_some() {
+        out.push(
+            Diagnostic::new(at.key("mc"), "a sequence table takes no managed collisions yet")
+                .with_help("drop tables[].mc, or pool the table (pooling = \"sum\" or \"mean\")"),
+        );
+    }
+    let c = &table.constraints;
+    let cached = c.compute_kernels.as_ref().is_some_and(|k| k.iter().all(|k| k.cache_backing().is_some()));
+    if c.cache.is_some() || cached {
+        out.push(
+            Diagnostic::new(at.key("constraints"), "a sequence table keeps every row in memory: it has no cache")
+                .with_help(help),
+        );
+    }
+    if table.max_gradient.is_some() {
+        out.push(
+            Diagnostic::new(at.key("max_gradient"), "gradient clipping applies to pooled outputs only")
+                .with_help("drop tables[].max_gradient from the sequence table"),
         );
     }
 }

@@ -13,6 +13,10 @@ pub enum PoolingMode {
     Sum,
     /// Mean of the rows (an empty bag pools to zeros).
     Mean,
+    /// No pooling: one embedding per id, each example's ids kept in order (TorchRec's
+    /// `EmbeddingCollection`). The table's features are sequence features, which the model
+    /// receives as jagged embeddings.
+    None,
 }
 
 /// Storage precision of a table's weights. Lookups and updates compute in fp32; the
@@ -55,11 +59,12 @@ pub enum BoundsCheckMode {
 }
 
 impl Word for PoolingMode {
-    const WORDS: &'static [Self] = &[Self::Sum, Self::Mean];
+    const WORDS: &'static [Self] = &[Self::Sum, Self::Mean, Self::None];
     fn name(self) -> &'static str {
         match self {
             Self::Sum => "sum",
             Self::Mean => "mean",
+            Self::None => "none",
         }
     }
 }

@@ -110,7 +110,7 @@ impl Job {
         };
         let q = trainrec_embedding::quant::QuantizedEbc::from_ebc(ebc, precision)?;
         tracing::info!(?precision, bytes = q.bytes(), "tables quantized");
-        self.sparse = crate::sparse_arch::SparseArch::Lookup(Box::new(q));
+        self.sparse.pooled = crate::sparse_arch::Pooled::Lookup(Box::new(q));
         Ok(())
     }
 

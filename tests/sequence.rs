@@ -1,0 +1,279 @@
+//! Sequence tables (`pooling = "none"`, TorchRec's `EmbeddingCollection`) end to end on one
+//! rank: the ids of a `a|b|c` CSV column reach a plugin model as jagged embeddings, their
+//! gradient comes back to the fused update, and checkpoints carry the tables.
+//!
+//! The reference is the pooled path itself: a model that averages each sequence feature's
+//! rows (through `to_padded` and its mask) must train as the same model over a
+//! `pooling = "mean"` table does, step for step, from the same initial weights and batches.
+
+use std::path::{Path, PathBuf};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use trainrec::engine::load_and_check;
+use trainrec::plugin::tch::{Kind, Tensor, nn, nn::Module};
+use trainrec::plugin::{Diagnostic, ModelError};
+use trainrec::prelude::*;
+use trainrec::recipe::LoadOptions;
+
+/// No options.
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct MeanConfig {}
+
+/// A linear layer over the dense features, the pooled embeddings and the mean of each sequence
+/// feature's rows.
+struct MeanOfSequences {
+    linear: nn::Linear,
+    dims: Vec<(String, usize)>,
+}
+
+impl MeanOfSequences {
+    fn means(&self, input: &ModelInput<'_>) -> Vec<Tensor> {
+        let b = input.dense.size()[0];
+        self.dims
+            .iter()
+            .map(|(name, dim)| match input.sequence(name) {
+                Some(j) => {
+                    let (padded, mask) = j.to_padded(None, 0.0);
+                    let mask = mask.to_kind(Kind::Float);
+                    let sum = (padded * mask.unsqueeze(-1)).sum_dim_intlist(1, false, Kind::Float);
+                    let n = mask.sum_dim_intlist(1, true, Kind::Float).clamp_min(1.0);
+                    sum / n
+                }
+                None => Tensor::zeros([b, *dim as i64], (Kind::Float, input.dense.device())),
+            })
+            .collect()
+    }
+}
+
+impl DenseModel for MeanOfSequences {
+    fn forward(&self, dense: &Tensor, sparse: &Tensor, train: bool) -> Tensor {
+        self.forward_input(&ModelInput::pooled(dense, sparse), train)
+    }
+
+    fn forward_input(&self, input: &ModelInput<'_>, _train: bool) -> Tensor {
+        let mut parts = vec![input.dense.shallow_clone(), input.pooled.shallow_clone()];
+        parts.extend(self.means(input));
+        self.linear.forward(&Tensor::cat(&parts, 1))
+    }
+}
+
+impl TypedModel for MeanOfSequences {
+    type Config = MeanConfig;
+    const KIND: &'static str = "mean_of_sequences";
+    const READS_SEQUENCES: bool = true;
+
+    fn check(_config: &MeanConfig, _inputs: &ModelInputs) -> Vec<Diagnostic> {
+        Vec::new()
+    }
+
+    fn build(vs: &nn::Path, _config: &MeanConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
+        let width = inputs.num_dense
+            + inputs.sparse.iter().map(|s| s.1).sum::<usize>()
+            + inputs.sequences.iter().map(|s| s.1).sum::<usize>();
+        let linear = nn::linear(vs / "linear", width as i64, inputs.num_tasks as i64, Default::default());
+        Ok(Self { linear, dims: inputs.sequences.clone() })
+    }
+}
+
+fn registry() -> Registry {
+    Registry::builtin().model::<MeanOfSequences>()
+}
+
+/// A CSV of `label,user,items` rows: `items` a `|`-separated history of 0 to 9 ids whose mean
+/// planted signal decides the label.
+fn write_data(dir: &Path) -> PathBuf {
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut text = String::from("label,user,items\n");
+    for _ in 0..640 {
+        let n = rng.random_range(0..10);
+        let items: Vec<u32> = (0..n).map(|_| rng.random_range(0..50)).collect();
+        let signal = items.iter().filter(|&&i| i < 20).count() as f64 - n as f64 * 0.4;
+        let label = u8::from(signal + rng.random_range(-1.0..1.0) > 0.0);
+        let items: Vec<String> = items.iter().map(u32::to_string).collect();
+        text.push_str(&format!("{label},{},{}\n", rng.random_range(0..30), items.join("|")));
+    }
+    let path = dir.join("data.csv");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The recipe with the items table pooled as `pooling` ("mean" or "none") and `optimizer`.
+fn recipe(dir: &Path, pooling: &str, optimizer: &str, extra: &str) -> PathBuf {
+    write_data(dir);
+    let text = format!(
+        r#"[run]
+name = "sequence-{pooling}"
+output_dir = "{out}"
+seed = 5
+
+[data]
+batch_size = 32
+
+[data.sampler]
+kind = "csv"
+path = "data.csv"
+eval_fraction = 0.2
+label = "label"
+integer_ids = ["user", "items"]
+multi_value = {{ items = "|" }}
+
+[data.sampler.sparse]
+user = "user"
+items = "items"
+
+[[tables]]
+name = "users"
+features = ["user"]
+rows = 30
+dim = 4
+
+[[tables]]
+name = "items"
+features = ["items"]
+rows = 50
+dim = 8
+pooling = "{pooling}"
+
+[model]
+kind = "mean_of_sequences"
+
+[optimizer]
+sparse = {optimizer}
+dense = {{ kind = "adam", lr = 0.01 }}
+
+[train]
+steps = 15
+log_every = 5
+
+[[metrics]]
+kind = "auc"
+{extra}"#,
+        out = dir.join(format!("run-{pooling}")).display(),
+    );
+    let path = dir.join(format!("{pooling}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainrec-sequence-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn build(path: &Path) -> Job {
+    let options = LoadOptions { overrides: Vec::new(), env: false };
+    let (loaded, features) = load_and_check(path, &options, &registry()).unwrap_or_else(|d| panic!("{d}"));
+    Job::build(&loaded, &features, &registry()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+#[test]
+fn a_sequence_table_trains_as_the_pooled_mean_it_averages_to() {
+    for optimizer in [
+        r#"{ kind = "sgd", lr = 0.5 }"#,
+        r#"{ kind = "adagrad", lr = 0.1 }"#,
+        r#"{ kind = "rowwise_adagrad", lr = 0.1 }"#,
+        r#"{ kind = "adam", lr = 0.01 }"#,
+    ] {
+        let dir = tmp("parity");
+        let mut pooled = build(&recipe(&dir, "mean", optimizer, ""));
+        let mut seq = build(&recipe(&dir, "none", optimizer, ""));
+        // The same initial weights (a sequence collection draws its own).
+        let items = pooled.table_weights("items").unwrap().unwrap();
+        seq.set_table_weights("items", &items).unwrap();
+        let (users, dense) = (pooled.table_weights("users").unwrap().unwrap(), pooled.dense_parameters());
+        assert_eq!(seq.table_weights("users").unwrap().unwrap(), users);
+        assert_eq!(seq.dense_parameters(), dense);
+        let batches: Vec<Batch> = pooled.batches(Split::Train, 32).unwrap().map(Result::unwrap).collect();
+        let k = batches[0].sparse.key_index("items").unwrap();
+        assert!(batches.iter().any(|b| b.sparse.feature(k).lengths.contains(&0)), "empty histories");
+        assert!(batches.iter().any(|b| b.sparse.feature(k).lengths.iter().any(|&n| n > 5)), "long histories");
+        for (i, b) in batches.iter().enumerate() {
+            let (lp, ls) = (pooled.train_step(b).unwrap(), seq.train_step(b).unwrap());
+            assert!((lp - ls).abs() < 1e-5, "{optimizer}: step {i}: loss {lp} pooled vs {ls} sequence");
+        }
+        let what = format!("{optimizer}: items after {} steps", batches.len());
+        close(
+            &what,
+            &seq.table_weights("items").unwrap().unwrap(),
+            &pooled.table_weights("items").unwrap().unwrap(),
+            1e-5,
+        );
+        let (ep, es) = (pooled.evaluate().unwrap(), seq.evaluate().unwrap());
+        assert!((ep["auc"] - es["auc"]).abs() < 1e-4, "{optimizer}: eval {ep:?} vs {es:?}");
+    }
+}
+
+#[test]
+fn a_sequence_table_is_checkpointed_and_restored() {
+    let dir = tmp("checkpoint");
+    let path = recipe(&dir, "none", r#"{ kind = "rowwise_adagrad", lr = 0.1 }"#, "");
+    let mut job = build(&path);
+    let summary = job.run().unwrap();
+    assert_eq!(summary.steps, 15);
+    let trained = job.table_weights("items").unwrap().unwrap();
+    let ck = trainrec::engine::checkpoint::Checkpoint::open(&summary.output_dir.join("checkpoints/step-00000015"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut fresh = build(&path);
+    assert_ne!(fresh.table_weights("items").unwrap().unwrap(), trained);
+    fresh.load_checkpoint(&ck).unwrap();
+    assert_eq!(fresh.table_weights("items").unwrap().unwrap(), trained);
+    assert_eq!(fresh.evaluate().unwrap(), job.evaluate().unwrap());
+    // The optimizer state came back too: one more step moves both alike.
+    let b = job.batches(Split::Train, 32).unwrap().next().unwrap().unwrap();
+    let (a, c) = (job.train_step(&b).unwrap(), fresh.train_step(&b).unwrap());
+    assert_eq!(a.to_bits(), c.to_bits());
+    assert_eq!(fresh.table_weights("items").unwrap(), job.table_weights("items").unwrap());
+}
+
+#[test]
+fn validation_refuses_what_the_sequence_path_cannot_run() {
+    let dir = tmp("refusals");
+    let path = recipe(&dir, "none", r#"{ kind = "sgd", lr = 0.1 }"#, "");
+    let check = |overrides: &[&str], registry: &Registry| -> String {
+        let options = LoadOptions { overrides: overrides.iter().map(|s| s.to_string()).collect(), env: false };
+        match load_and_check(&path, &options, registry) {
+            Ok(_) => panic!("{overrides:?} validates"),
+            Err(d) => d.to_string(),
+        }
+    };
+    // A model that reads no sequences, named at the table's pooling with its line.
+    let e = check(&[], &Registry::builtin().model::<NoSequences>());
+    assert!(e.contains("tables[1].pooling") && e.contains("reads no sequence features"), "{e}");
+    assert!(e.contains("none.toml:32"), "{e}");
+    // More than one rank, a cache, clipping.
+    let e = check(&["topology.world_size=2"], &registry());
+    assert!(e.contains("a sequence table does not shard yet"), "{e}");
+    let e = check(&["tables[1].max_gradient=1.0"], &registry());
+    assert!(e.contains("tables[1].max_gradient"), "{e}");
+}
+
+/// The same model under a kind that does not declare `READS_SEQUENCES`.
+struct NoSequences(MeanOfSequences);
+
+impl DenseModel for NoSequences {
+    fn forward(&self, dense: &Tensor, sparse: &Tensor, train: bool) -> Tensor {
+        self.0.forward(dense, sparse, train)
+    }
+}
+
+impl TypedModel for NoSequences {
+    type Config = MeanConfig;
+    const KIND: &'static str = "mean_of_sequences";
+
+    fn build(vs: &nn::Path, config: &MeanConfig, inputs: &ModelInputs) -> Result<Self, ModelError> {
+        Ok(Self(MeanOfSequences::build(vs, config, inputs)?))
+    }
+}
