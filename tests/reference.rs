@@ -33,8 +33,15 @@ fn book_links_and_includes_resolve() {
         let text = std::fs::read_to_string(&page).unwrap();
         for inc in text.split("{{#include ").skip(1) {
             let target = &inc[..inc.find("}}").expect("closing braces")];
-            let path = page.parent().unwrap().join(target.trim());
+            // mdBook's `file:first:last` includes those lines only.
+            let (file, lines) = target.trim().split_once(':').unwrap_or((target.trim(), ""));
+            let path = page.parent().unwrap().join(file);
             assert!(path.exists(), "{} includes missing {}", page.display(), path.display());
+            if let Some((first, last)) = lines.split_once(':') {
+                let (first, last): (usize, usize) = (first.parse().unwrap(), last.parse().unwrap());
+                let n = std::fs::read_to_string(&path).unwrap().lines().count();
+                assert!(1 <= first && first <= last && last <= n, "{}: lines {lines} of {n}", page.display());
+            }
         }
     }
 }

@@ -84,17 +84,24 @@ fn corpus_spec(job: &Job) -> Option<crate::inputs::RetrievalSpec> {
     Some(crate::inputs::RetrievalSpec { input: FeatureRef::parse(feature).input.to_owned(), rows, ks: Vec::new() })
 }
 
+/// The TorchScript export has no sequence path yet: a job with sequence tables is refused,
+/// naming the table.
+fn refuse_sequences(job: &Job) -> Result<(), EngineError> {
+    match job.recipe.tables.iter().find(|t| crate::inputs::is_sequence(t)) {
+        Some(t) => Err(EngineError::Unsupported(format!(
+            "the TorchScript export has no sequence path yet: table \"{}\" is a sequence table (pooling = \"none\"); \
+             export the checkpoint's tensors with `--format safetensors`, or score with `trainrec predict`",
+            t.name
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The serving model of a one-rank `job` (its trained state loaded), tables quantized as
 /// `quantize` says.
 pub fn script_module(job: &Job, quantize: Option<QuantPrecision>, step: u64) -> Result<ScriptModule, EngineError> {
     let kind = job.recipe.model.kind().unwrap_or_default().to_string();
-    if let Some(t) = job.recipe.tables.iter().find(|t| crate::inputs::is_sequence(t)) {
-        return Err(EngineError::Unsupported(format!(
-            "the TorchScript export has no sequence path yet: table \"{}\" is a sequence table (pooling = \"none\"); \
-             export the checkpoint's tensors with `--format safetensors`, or score with `trainrec predict`",
-            t.name
-        )));
-    }
+    refuse_sequences(job)?;
     let mut m = ScriptModule::new("TrainrecModel");
     let vars = job.vs.variables();
     job.model.torchscript(&vars, &mut m).map_err(|e| script_error(&kind, e))?;

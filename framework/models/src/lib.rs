@@ -1,5 +1,5 @@
-//! Dense model parts built with tch: the model factory trait, DLRM, DLRM-DCN, DeepFM, and dense
-//! optimizers.
+//! Dense model parts built with tch: the model factory trait, DLRM, DLRM-DCN, DeepFM, the
+//! two-tower model, DIN (sequence features), and dense optimizers.
 //!
 //! Embedding tables are not tch parameters: a model receives the pooled embeddings as a leaf
 //! tensor `[batch, sum(dims)]` (and a sequence feature's unpooled rows as a jagged leaf, see
@@ -7,6 +7,7 @@
 
 pub mod autocast;
 pub mod deepfm;
+pub mod din;
 pub mod dlrm;
 pub mod dlrm_dcn;
 mod mlp;
@@ -17,6 +18,7 @@ pub mod two_tower;
 
 pub use autocast::Autocast;
 pub use deepfm::{DeepFm, DeepFmConfig, DeepFmFactory};
+pub use din::{Din, DinConfig};
 pub use dlrm::{Dlrm, DlrmConfig, DlrmFactory};
 pub use dlrm_dcn::{DlrmDcn, DlrmDcnConfig, DlrmDcnFactory};
 pub use optim::{DenseOptimizer, OptimStateError};

@@ -215,6 +215,7 @@ impl Registry {
             .model::<trainrec_models::DlrmDcn>()
             .model::<trainrec_models::DeepFm>()
             .model::<trainrec_models::TwoTower>()
+            .model::<trainrec_models::Din>()
     }
 
     fn note(&mut self, kind: PluginKind, name: &'static str, taken: bool) {
