@@ -54,10 +54,13 @@ fn builtin_models_conform() {
             "query_features = [\"f0\"]\ncandidate_features = [\"f1\", \"f2\"]\nquery_tower = [8, 4]\ncandidate_tower = [4]",
         ),
         ("wide_deep", "deep = [8, 1]"),
+        ("din", "candidate = \"item\"\nhistory = \"history\"\nattention_mlp = [6]\nmlp = [8, 1]"),
     ];
     for (kind, config) in cases {
         let factory = registry.model_for(kind).unwrap_or_else(|| panic!("{kind} is registered"));
-        let report = ModelCase::new(config, 3, &[4, 4, 4]).check_factory(factory);
+        let case = ModelCase::new(config, 3, &[4, 4, 4]);
+        let case = if factory.reads_sequences() { case.sequences(&[("item", 5), ("history", 5)]) } else { case };
+        let report = case.check_factory(factory);
         assert!(report.is_ok(), "model {kind}:\n{report}");
     }
     assert_eq!(registry.model_kinds().len(), cases.len(), "a model without a conformance case");

@@ -352,6 +352,31 @@ impl ModelCase {
         self
     }
 
+    /// Adds sequence features (name, dim), for a model that reads sequences: each example of a
+    /// checked batch gets 0 to 4 ids of each (the first example at least one).
+    pub fn sequences(mut self, sequences: &[(&str, usize)]) -> Self {
+        self.inputs.sequences = sequences.iter().map(|&(n, d)| (n.to_owned(), d)).collect();
+        self
+    }
+
+    /// The checked batch's sequence features: leaves that receive their gradient.
+    fn jagged(&self) -> Vec<(String, crate::JaggedEmbeddings)> {
+        let b = self.batch_size as usize;
+        self.inputs
+            .sequences
+            .iter()
+            .enumerate()
+            .map(|(k, (name, dim))| {
+                let lengths: Vec<usize> = (0..b).map(|e| if e == 0 { 1 + k % 4 } else { (e * 3 + k) % 5 }).collect();
+                let n = lengths.iter().sum::<usize>() as i64;
+                let values =
+                    (Tensor::randn([n, *dim as i64], (Kind::Float, Device::Cpu)) * 0.5).set_requires_grad(true);
+                let j = crate::JaggedEmbeddings::new(values, lengths).expect("lengths sum to the rows");
+                (name.clone(), j)
+            })
+            .collect()
+    }
+
     /// Checks a typed model.
     pub fn check<M: TypedModel>(&self) -> Report {
         self.check_factory(&crate::registry::typed_model_factory::<M>())
@@ -406,6 +431,21 @@ impl ModelCase {
         tch::manual_seed(3);
         let dense = Tensor::rand([b, self.inputs.num_dense as i64], (Kind::Float, Device::Cpu));
         let sparse = (Tensor::randn([b, width as i64], (Kind::Float, Device::Cpu)) * 0.5).set_requires_grad(true);
+        let sequences = self.jagged();
+        let detached: Vec<(String, crate::JaggedEmbeddings)> = sequences
+            .iter()
+            .map(|(n, j)| {
+                (n.clone(), crate::JaggedEmbeddings { values: j.values.detach(), lengths: j.lengths.clone() })
+            })
+            .collect();
+        // Example 0 alone: its rows of each sequence.
+        let first_only: Vec<(String, crate::JaggedEmbeddings)> = detached
+            .iter()
+            .map(|(n, j)| {
+                let rows = j.values.narrow(0, 0, j.lengths[0] as i64);
+                (n.clone(), crate::JaggedEmbeddings { values: rows, lengths: vec![j.lengths[0]] })
+            })
+            .collect();
         let shape_of = |t: &Tensor| -> Result<(), String> {
             if t.size() != [b, tasks] {
                 return Err(format!("logits {:?}, expected [{b}, {tasks}] (batch, tasks)", t.size()));
@@ -415,19 +455,24 @@ impl ModelCase {
             }
             Ok(())
         };
-        let train_logits = model.forward(&dense, &sparse, true);
-        let eval_logits = tch::no_grad(|| model.forward(&dense, &sparse.detach(), false));
+        let sparse_detached = sparse.detach();
+        let train_input = crate::ModelInput { dense: &dense, pooled: &sparse, sequences: &sequences };
+        let eval_input = crate::ModelInput { dense: &dense, pooled: &sparse_detached, sequences: &detached };
+        let train_logits = model.forward_input(&train_input, true);
+        let eval_logits = tch::no_grad(|| model.forward_input(&eval_input, false));
         if !report
             .check("logits are [batch, tasks] and finite", shape_of(&train_logits).and_then(|_| shape_of(&eval_logits)))
         {
             return report;
         }
-        let again = tch::no_grad(|| twin.forward(&dense, &sparse.detach(), false));
+        let again = tch::no_grad(|| twin.forward_input(&eval_input, false));
         report.check(
             "same seed, same model",
             close(&eval_logits, &again).map_err(|e| format!("two builds under one seed: {e}")),
         );
-        let first = tch::no_grad(|| model.forward(&dense.narrow(0, 0, 1), &sparse.detach().narrow(0, 0, 1), false));
+        let (dense0, sparse0) = (dense.narrow(0, 0, 1), sparse_detached.narrow(0, 0, 1));
+        let first_input = crate::ModelInput { dense: &dense0, pooled: &sparse0, sequences: &first_only };
+        let first = tch::no_grad(|| model.forward_input(&first_input, false));
         report.check(
             "an example's eval logits do not depend on its batch",
             close(&eval_logits.narrow(0, 0, 1), &first)
@@ -438,6 +483,12 @@ impl ModelCase {
         let sparse_grad = sparse.grad();
         if width > 0 && (!sparse_grad.defined() || sparse_grad.abs().sum(Kind::Float).double_value(&[]) == 0.0) {
             grads = Err("no gradient reaches the pooled embeddings (the tables would never train)".to_owned());
+        }
+        for (name, j) in &sequences {
+            let g = j.values.grad();
+            if grads.is_ok() && (!g.defined() || g.abs().sum(Kind::Float).double_value(&[]) == 0.0) {
+                grads = Err(format!("no gradient reaches sequence feature {name} (its table would never train)"));
+            }
         }
         if grads.is_ok() {
             for (name, var) in vs.variables() {
