@@ -537,6 +537,23 @@ mod tests {
         assert!(failures[0].1.contains("tables[1].dim"), "{report}");
     }
 
+    #[test]
+    fn din_conforms_with_sequences_and_a_model_ignoring_its_history_fails() {
+        let config = "candidate = \"item\"\nhistory = \"history\"\nmlp = [8, 1]";
+        let case = ModelCase::new(config, 2, &[4]).sequences(&[("item", 3), ("history", 3)]);
+        case.check::<trainrec_models::Din>().assert_ok();
+        // A batch with a sequence feature the model never reads ("history", while it reads
+        // "other"): that feature's rows get no gradient, which the kit reports by name.
+        let case = ModelCase::new("candidate = \"item\"\nhistory = \"other\"\nmlp = [8, 1]", 2, &[4]).sequences(&[
+            ("item", 3),
+            ("other", 3),
+            ("history", 3),
+        ]);
+        let report = case.check::<trainrec_models::Din>();
+        let failures = report.failures();
+        assert!(failures.iter().any(|f| f.1.contains("sequence feature history")), "{report}");
+    }
+
     /// A sampler that breaks the contract in two ways the kit must catch.
     struct Broken;
     impl crate::Sampler for Broken {
