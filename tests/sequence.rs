@@ -7,11 +7,14 @@
 //! `pooling = "mean"` table does, step for step, from the same initial weights and batches.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use schemars::JsonSchema;
 use serde::Deserialize;
+use trainrec::comm::{ProcessGroup, ThreadGroup};
 use trainrec::engine::load_and_check;
 use trainrec::plugin::tch::{Kind, Tensor, nn, nn::Module};
 use trainrec::plugin::{Diagnostic, ModelError};
@@ -167,9 +170,37 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn build(path: &Path) -> Job {
-    let options = LoadOptions { overrides: Vec::new(), env: false };
+    build_rank(path, &[], None)
+}
+
+/// Rank `pg`'s job of the recipe at `path` with `overrides` (one rank without a group).
+fn build_rank(path: &Path, overrides: &[String], pg: Option<Arc<dyn ProcessGroup>>) -> Job {
+    let options = LoadOptions { overrides: overrides.to_vec(), env: false };
     let (loaded, features) = load_and_check(path, &options, &registry()).unwrap_or_else(|d| panic!("{d}"));
-    Job::build(&loaded, &features, &registry()).unwrap_or_else(|e| panic!("{e}"))
+    Job::build_rank(&loaded, &features, &registry(), pg).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Examples `lo..hi` of a one-label batch without weights or groups.
+fn slice(b: &Batch, lo: usize, hi: usize) -> Batch {
+    let keys = b.sparse.keys().to_vec();
+    let (mut values, mut lengths) = (Vec::new(), Vec::new());
+    for k in 0..keys.len() {
+        let f = b.sparse.feature(k);
+        for i in lo..hi {
+            values.extend_from_slice(f.bag(i));
+            lengths.push(f.bag(i).len() as u32);
+        }
+    }
+    let n = hi - lo;
+    Batch {
+        dense: b.dense[lo * b.num_dense..hi * b.num_dense].to_vec(),
+        num_dense: b.num_dense,
+        sparse: KeyedJaggedTensor::new(keys, values, None, lengths, n).unwrap(),
+        labels: b.labels[lo..hi].to_vec(),
+        batch_size: n,
+        groups: None,
+        weights: None,
+    }
 }
 
 fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
@@ -216,6 +247,79 @@ fn a_sequence_table_trains_as_the_pooled_mean_it_averages_to() {
     }
 }
 
+/// TorchRec's sharded EC: the sequence table sharded over 2 and 3 thread ranks (each rank
+/// training its slice of the global batch) trains as one rank on the global batch.
+#[test]
+fn sharded_sequence_tables_train_as_one_rank() {
+    let optimizer = r#"{ kind = "rowwise_adagrad", lr = 0.1 }"#;
+    for sharding in ["table_wise", "row_wise", "column_wise", "data_parallel"] {
+        let dir = tmp(&format!("dist-{sharding}"));
+        let path = recipe(&dir, "none", optimizer, "");
+        let constraint = format!("tables[1].constraints.sharding_types=[\"{sharding}\"]");
+        let mut one = build_rank(&path, std::slice::from_ref(&constraint), None);
+        let global: Vec<Batch> =
+            one.batches(Split::Train, 24).unwrap().map(Result::unwrap).filter(|b| b.batch_size == 24).collect();
+        assert!(global.len() >= 15, "{} global batches", global.len());
+        let want: Vec<f64> = global.iter().map(|b| one.train_step(b).unwrap()).collect();
+        let want_items = one.table_weights("items").unwrap().unwrap();
+        for world in [2, 3] {
+            let overrides = [constraint.clone(), format!("topology.world_size={world}")];
+            let per = 24 / world;
+            let out = ThreadGroup::run(world, Duration::from_secs(120), |pg| {
+                let rank = pg.rank();
+                let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+                let mut job = build_rank(&path, &overrides, Some(pg));
+                let placed =
+                    job.plan().tables.iter().find(|t| t.name == "items").map(|t| format!("{:?}", t.sharding_type));
+                let losses: Vec<f64> =
+                    global.iter().map(|b| job.train_step(&slice(b, rank * per, (rank + 1) * per)).unwrap()).collect();
+                (losses, job.table_weights("items").unwrap().unwrap(), placed)
+            });
+            let (losses, items, placed) = out.into_iter().next().unwrap().unwrap_or_else(|e| panic!("rank 0: {e}"));
+            let what = format!("{sharding} on {world} ranks (planned {placed:?})");
+            assert!(placed.is_some_and(|p| p.to_lowercase().replace('_', "") == sharding.replace('_', "")), "{what}");
+            for (i, (got, want)) in losses.iter().zip(&want).enumerate() {
+                assert!((got - want).abs() <= 1e-5 * want.abs(), "{what}: step {i}: loss {got} vs one rank's {want}");
+            }
+            close(&format!("{what}: items"), &items, &want_items, 1e-5);
+            eprintln!("{what}: {} steps as one rank's (last loss {})", losses.len(), losses[losses.len() - 1]);
+        }
+    }
+}
+
+/// A checkpoint of sequence tables sharded row-wise over 2 ranks resumes on 1 and on 3 ranks.
+#[test]
+fn a_sharded_sequence_checkpoint_loads_on_other_world_sizes() {
+    let dir = tmp("reshard");
+    let path = recipe(&dir, "none", r#"{ kind = "adagrad", lr = 0.1 }"#, "");
+    let sharded = |world: usize| {
+        vec!["tables[1].constraints.sharding_types=[\"row_wise\"]".to_string(), format!("topology.world_size={world}")]
+    };
+    let overrides = sharded(2);
+    let trained = ThreadGroup::run(2, Duration::from_secs(120), |pg| {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+        let mut job = build_rank(&path, &overrides, Some(pg));
+        let summary = job.run().unwrap_or_else(|e| panic!("{e}"));
+        (summary, job.table_weights("items").unwrap().unwrap())
+    });
+    let (summary, items) = trained.into_iter().next().unwrap().unwrap_or_else(|e| panic!("rank 0: {e}"));
+    let ck_dir = summary.output_dir.join(format!("checkpoints/step-{:08}", summary.steps));
+    let open = || trainrec::engine::checkpoint::Checkpoint::open(&ck_dir).unwrap_or_else(|e| panic!("{e}"));
+    let mut one = build(&path);
+    one.load_checkpoint(&open()).unwrap();
+    assert_eq!(one.table_weights("items").unwrap().unwrap(), items, "2 ranks -> 1");
+    let overrides = sharded(3);
+    let three = ThreadGroup::run(3, Duration::from_secs(120), |pg| {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+        let mut job = build_rank(&path, &overrides, Some(pg));
+        job.load_checkpoint(&open()).unwrap();
+        job.table_weights("items").unwrap().unwrap()
+    });
+    for (r, got) in three.into_iter().enumerate() {
+        assert_eq!(got.unwrap_or_else(|e| panic!("rank {r}: {e}")), items, "2 ranks -> 3, rank {r}");
+    }
+}
+
 #[test]
 fn a_sequence_table_is_checkpointed_and_restored() {
     let dir = tmp("checkpoint");
@@ -253,9 +357,9 @@ fn validation_refuses_what_the_sequence_path_cannot_run() {
     let e = check(&[], &Registry::builtin().model::<NoSequences>());
     assert!(e.contains("tables[1].pooling") && e.contains("reads no sequence features"), "{e}");
     assert!(e.contains("none.toml:32"), "{e}");
-    // More than one rank, a cache, clipping.
-    let e = check(&["topology.world_size=2"], &registry());
-    assert!(e.contains("a sequence table does not shard yet"), "{e}");
+    // CUDA, a cache, clipping.
+    let e = check(&["topology.compute_device=\"cuda\""], &registry());
+    assert!(e.contains("a sequence table has no CUDA path yet"), "{e}");
     let e = check(&["tables[1].max_gradient=1.0"], &registry());
     assert!(e.contains("tables[1].max_gradient"), "{e}");
 }

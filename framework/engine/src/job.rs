@@ -182,8 +182,9 @@ impl Job {
                     })?;
                     tracing::info!(rank = pg.rank(), gpu = ?target.gpu(), "this rank's shards in the CUDA engine");
                 }
+                let sequences = crate::sequence_tables::SequenceTables::of(&recipe, &plan, Some(pg.clone()))?;
                 (
-                    SparseArch::train(Box::new(sharded), None),
+                    SparseArch::train(Box::new(sharded), sequences),
                     Some(DataParallel::new(
                         pg,
                         &vs,
@@ -205,9 +206,13 @@ impl Job {
                         on_gpu.set_bounds_check(recipe.embedding.bounds_check);
                         (SparseArch::train(Box::new(on_gpu), None), None)
                     }
-                    None => {
-                        (SparseArch::train(Box::new(ebc), crate::sequence_tables::SequenceTables::of(&recipe)?), None)
-                    }
+                    None => (
+                        SparseArch::train(
+                            Box::new(ebc),
+                            crate::sequence_tables::SequenceTables::of(&recipe, &plan, None)?,
+                        ),
+                        None,
+                    ),
                 }
             }
         };

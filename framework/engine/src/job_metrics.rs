@@ -176,7 +176,7 @@ impl Job {
         let sequences = match &self.sparse.sequences {
             Some(s) => {
                 let ids = batch.sparse.full_batch()?;
-                s.forward(&ids, self.layout.device, false)?
+                s.forward(&ids, self.layout.device, false)?.0
             }
             None => Vec::new(),
         };

@@ -201,9 +201,12 @@ impl Pipeline {
         let sparse = crate::tensors::pooled_leaf(sparse, layout.precision, &*model);
         let ids = batch.sparse.full_batch()?;
         // Sequence features: per-id rows as leaves that receive their gradient.
-        let sequences = match &arch.sequences {
-            Some(s) => s.forward(&ids, layout.device, true)?,
-            None => Vec::new(),
+        let (sequences, sequence_ctx) = match &arch.sequences {
+            Some(s) => {
+                let (seqs, ctx) = s.forward(&ids, layout.device, true)?;
+                (seqs, Some(ctx))
+            }
+            None => (Vec::new(), None),
         };
         // Sample weights, and the sum of the global batch's (the loss's denominator): summed
         // across ranks here, before the stage thread may run collectives of its own.
@@ -277,8 +280,8 @@ impl Pipeline {
             let grad = sparse.grad();
             crate::inputs::clip_pooled_gradient(&grad, &layout.gradient_clip);
             arch.backward(&batch.sparse, &mut ctx, &grad)?;
-            if let Some(s) = &mut arch.sequences {
-                s.backward(&ids, &sequences)?;
+            if let (Some(s), Some(ctx)) = (&mut arch.sequences, sequence_ctx) {
+                s.backward(&ids, &sequences, ctx)?;
             }
             self.last_times = ctx.times;
         }

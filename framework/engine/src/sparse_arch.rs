@@ -160,7 +160,7 @@ impl SparseArch {
     /// The weights of table `name`, `[rows, dim]` row-major (collective when sharded).
     pub(crate) fn table_weights(&self, name: &str) -> Result<Option<Vec<f32>>, EngineError> {
         if let Some(s) = self.sequences.as_ref().filter(|s| s.has_table(name)) {
-            return Ok(s.table_weights(name));
+            return s.table_weights(name);
         }
         Ok(self.lookup().table_weights(name)?)
     }

@@ -390,19 +390,10 @@ fn check_dynamic(
     }
 }
 
-/// A sequence table (`pooling = "none"`, at `at`): what its path runs today, one CPU rank, every
+/// A sequence table (`pooling = "none"`, at `at`): what its path runs today, CPU ranks, every
 /// row in memory, no id maps, no gradient clipping.
 fn check_sequence_table(out: &mut Vec<Diagnostic>, recipe: &Recipe, at: &KeyPath, table: &crate::TableSection) {
-    let help = "sequence tables (pooling = \"none\") train on one CPU rank, with every row in memory";
-    if recipe.topology.world_size > 1 {
-        out.push(
-            Diagnostic::new(
-                at.key("pooling"),
-                format!("a sequence table does not shard yet (topology.world_size = {})", recipe.topology.world_size),
-            )
-            .with_help(help),
-        );
-    }
+    let help = "sequence tables (pooling = \"none\") train on CPU ranks, with every row in memory";
     if recipe.topology.compute_device == trainrec_types::ComputeDevice::Cuda {
         out.push(
             Diagnostic::new(

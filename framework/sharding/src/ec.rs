@@ -399,6 +399,14 @@ impl ShardedEc {
         parts!(self).load(self.local.as_mut(), self.dp.as_mut(), name, Some(weights), optimizer_state, step_count)
     }
 
+    /// Scales every table's learning rate by `multiplier` (a schedule's), on this rank's
+    /// shards and replicas. Not collective.
+    pub fn set_lr_multiplier(&mut self, multiplier: f64) {
+        for ec in [self.local.as_mut(), self.dp.as_mut()].into_iter().flatten() {
+            ec.set_lr_multiplier(multiplier);
+        }
+    }
+
     /// This rank's shards of every table (see [`crate::ShardedEbc::local_shards`]).
     pub fn local_shards(&self) -> Vec<LocalShard> {
         parts!(self).local_shards(self.local.as_ref(), self.dp.as_ref())
