@@ -262,8 +262,11 @@ fn sharded_sequence_tables_train_as_one_rank() {
         assert!(global.len() >= 15, "{} global batches", global.len());
         let want: Vec<f64> = global.iter().map(|b| one.train_step(b).unwrap()).collect();
         let want_items = one.table_weights("items").unwrap().unwrap();
-        for world in [2, 3] {
-            let overrides = [constraint.clone(), format!("topology.world_size={world}")];
+        // Three ranks, and two with the sparse-dist pipeline (batch i+1's pooled input dist on
+        // the stage thread while batch i trains).
+        for (world, pipeline) in [(2, "base"), (3, "base"), (2, "sparse_dist")] {
+            let overrides =
+                [constraint.clone(), format!("topology.world_size={world}"), format!("pipeline.kind=\"{pipeline}\"")];
             let per = 24 / world;
             let out = ThreadGroup::run(world, Duration::from_secs(120), |pg| {
                 let rank = pg.rank();
@@ -271,12 +274,13 @@ fn sharded_sequence_tables_train_as_one_rank() {
                 let mut job = build_rank(&path, &overrides, Some(pg));
                 let placed =
                     job.plan().tables.iter().find(|t| t.name == "items").map(|t| format!("{:?}", t.sharding_type));
+                let mine: Vec<Batch> = global.iter().map(|b| slice(b, rank * per, (rank + 1) * per)).collect();
                 let losses: Vec<f64> =
-                    global.iter().map(|b| job.train_step(&slice(b, rank * per, (rank + 1) * per)).unwrap()).collect();
+                    (0..mine.len()).map(|i| job.train_step_ahead(&mine[i], mine.get(i + 1)).unwrap()).collect();
                 (losses, job.table_weights("items").unwrap().unwrap(), placed)
             });
             let (losses, items, placed) = out.into_iter().next().unwrap().unwrap_or_else(|e| panic!("rank 0: {e}"));
-            let what = format!("{sharding} on {world} ranks (planned {placed:?})");
+            let what = format!("{sharding} on {world} ranks, {pipeline} pipeline (planned {placed:?})");
             assert!(placed.is_some_and(|p| p.to_lowercase().replace('_', "") == sharding.replace('_', "")), "{what}");
             for (i, (got, want)) in losses.iter().zip(&want).enumerate() {
                 assert!((got - want).abs() <= 1e-5 * want.abs(), "{what}: step {i}: loss {got} vs one rank's {want}");

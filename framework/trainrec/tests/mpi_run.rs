@@ -1,5 +1,6 @@
 //! `trainrec launch --nproc 2` (mpirun, one process per rank, the MPI backend) trains the
-//! shipped 2-rank recipe to the same metrics as `trainrec run` with the ranks as threads.
+//! shipped 2-rank recipe, and DIN's sharded sequence table, to the same metrics as `trainrec run`
+//! with the ranks as threads.
 //! Built with `--features mpi`; `scripts/test` runs it.
 #![cfg(feature = "mpi")]
 
@@ -18,11 +19,22 @@ fn last_eval(dir: &Path) -> serde_json::Value {
 
 #[test]
 fn mpi_processes_train_like_threads() {
-    let tmp = std::env::temp_dir().join(format!("trainrec-mpi-run-{}", std::process::id()));
+    // The quickstart's pooled tables, and DIN's sequence table (a sharded embedding collection).
+    for (recipe, extra) in [
+        ("recipes/dist/quickstart_2ranks.toml", vec![]),
+        ("recipes/sequence/din_synthetic.toml", vec!["topology.world_size=2".to_string()]),
+    ] {
+        threads_and_mpi_agree(recipe, &extra);
+    }
+}
+
+fn threads_and_mpi_agree(recipe: &str, extra: &[String]) {
+    let name = Path::new(recipe).file_stem().unwrap().to_string_lossy().into_owned();
+    let tmp = std::env::temp_dir().join(format!("trainrec-mpi-run-{}-{name}", std::process::id()));
     let (threads, mpi) = (tmp.join("threads"), tmp.join("mpi"));
     let args = |out: &Path| {
-        vec![
-            "recipes/dist/quickstart_2ranks.toml".to_string(),
+        let mut a = vec![
+            recipe.to_string(),
             "--set".into(),
             "train.steps=200".into(),
             "--set".into(),
@@ -32,7 +44,11 @@ fn mpi_processes_train_like_threads() {
             "--set".into(),
             format!("run.output_dir={}", out.display()),
             "--no-env".into(),
-        ]
+        ];
+        for e in extra {
+            a.extend(["--set".to_string(), e.clone()]);
+        }
+        a
     };
     let run = |sub: &[&str], out: &Path| {
         let o = Command::new(env!("CARGO_BIN_EXE_trainrec"))
@@ -42,17 +58,17 @@ fn mpi_processes_train_like_threads() {
             .output()
             .unwrap();
         let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-        assert!(o.status.success(), "{sub:?}: {text}");
+        assert!(o.status.success(), "{recipe} {sub:?}: {text}");
         text
     };
     run(&["run"], &threads);
     let out = run(&["launch", "--nproc", "2"], &mpi);
     // Rank 0 alone prints the summary.
-    assert_eq!(out.matches("trained 200 steps (102400 samples)").count(), 1, "{out}");
+    assert_eq!(out.matches("trained 200 steps (102400 samples)").count(), 1, "{recipe}: {out}");
     let (a, b) = (last_eval(&threads), last_eval(&mpi));
     for k in ["auc", "ne", "logloss"] {
         let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
-        assert!((x - y).abs() < 1e-6, "{k}: threads {x} vs mpi {y}");
+        assert!((x - y).abs() < 1e-6, "{recipe}: {k}: threads {x} vs mpi {y}");
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
