@@ -291,7 +291,8 @@ fn sharded_sequence_tables_train_as_one_rank() {
     }
 }
 
-/// A checkpoint of sequence tables sharded row-wise over 2 ranks resumes on 1 and on 3 ranks.
+/// A checkpoint of sequence tables sharded row-wise over 2 ranks loads on 1 and on 3 ranks, and
+/// a run resumes from it on 3 ranks with the table column-wise.
 #[test]
 fn a_sharded_sequence_checkpoint_loads_on_other_world_sizes() {
     let dir = tmp("reshard");
@@ -312,15 +313,40 @@ fn a_sharded_sequence_checkpoint_loads_on_other_world_sizes() {
     let mut one = build(&path);
     one.load_checkpoint(&open()).unwrap();
     assert_eq!(one.table_weights("items").unwrap().unwrap(), items, "2 ranks -> 1");
+    assert_eq!(one.evaluate().unwrap(), summary.eval, "2 ranks -> 1: eval");
     let overrides = sharded(3);
     let three = ThreadGroup::run(3, Duration::from_secs(120), |pg| {
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
         let mut job = build_rank(&path, &overrides, Some(pg));
         job.load_checkpoint(&open()).unwrap();
-        job.table_weights("items").unwrap().unwrap()
+        (job.table_weights("items").unwrap().unwrap(), job.evaluate().unwrap())
     });
+    let mut three_eval = None;
     for (r, got) in three.into_iter().enumerate() {
-        assert_eq!(got.unwrap_or_else(|e| panic!("rank {r}: {e}")), items, "2 ranks -> 3, rank {r}");
+        let (got, eval) = got.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(got, items, "2 ranks -> 3, rank {r}");
+        three_eval.get_or_insert(eval);
+    }
+    let three_eval = three_eval.unwrap();
+    // `--resume` on 3 ranks with the table column-wise: the run goes on from the checkpoint's
+    // step (here its last, so nothing trains) with the same table and evaluation.
+    let overrides =
+        vec!["tables[1].constraints.sharding_types=[\"column_wise\"]".to_string(), "topology.world_size=3".to_string()];
+    let resumed = ThreadGroup::run(3, Duration::from_secs(120), |pg| {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+        let mut job = build_rank(&path, &overrides, Some(pg));
+        job.resume_from(open());
+        let s = job.run().unwrap_or_else(|e| panic!("{e}"));
+        (s, job.table_weights("items").unwrap().unwrap())
+    });
+    let (s, got) = resumed.into_iter().next().unwrap().unwrap_or_else(|e| panic!("rank 0: {e}"));
+    assert_eq!(s.steps, summary.steps, "resumed at the checkpoint's step");
+    assert_eq!(got, items, "2 ranks -> 3 column-wise, resumed");
+    // The eval of 3 ranks gathers the predictions in another order than 2 ranks do, and
+    // TorchRec's AUC breaks ties by order: compare with the 3-rank evaluation of the loaded
+    // checkpoint.
+    for (k, v) in &three_eval {
+        assert!((s.eval[k] - v).abs() < 1e-9, "eval {k}: {} resumed vs {v} loaded", s.eval[k]);
     }
 }
 
