@@ -99,7 +99,6 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
     Err(loaded.locate(problems))
 }
 
-/// `[[tasks]]` naming label columns the sampler does not have.
 /// Sequence tables feeding a model that reads no sequences: named at each table's `pooling`.
 fn sequence_problems(recipe: &Recipe, factory: &dyn trainrec_models::ModelFactory) -> Vec<Diagnostic> {
     if factory.reads_sequences() {
@@ -160,6 +159,7 @@ fn unread_features(recipe: &Recipe, features: &FeatureSchema) -> Vec<Diagnostic>
     ]
 }
 
+/// `[[tasks]]` naming label columns the sampler does not have.
 fn task_problems(recipe: &trainrec_recipe::Recipe, features: &FeatureSchema) -> Vec<Diagnostic> {
     let sampler = recipe.data.sampler.kind().unwrap_or_default();
     let mut out = Vec::new();
