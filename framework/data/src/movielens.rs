@@ -203,36 +203,35 @@ fn history_rows(ctx: &SamplerContext) -> Result<u64, DataError> {
 }
 
 /// Users' histories: per user, the items of their training ratings in time order, and per
-/// rating, where its history ends in its user's sequence.
+/// train and eval rating, where its history ends in its user's sequence.
 #[derive(Debug)]
 struct History {
     /// The most ids a history holds.
     length: usize,
-    /// Per user (dense index): training items (ids mod the history table's rows), oldest first.
+    /// Per user (its index in [`timelines`]): training items (ids mod the history table's
+    /// rows), oldest first.
     sequences: Vec<Vec<i64>>,
-    /// Per rating of the file (while building): (user index, training ratings before it).
-    at: Vec<(u32, u32)>,
-    /// The same for the train and the eval ratings, in their order.
+    /// For the train and the eval ratings, in their order: (user index, training ratings
+    /// before it).
     split_at: [Vec<(u32, u32)>; 2],
 }
 
 impl History {
-    fn new(ratings: &[Rating], eval: &[bool], length: usize, rows: u64) -> Self {
-        let mut users: HashMap<i64, u32> = HashMap::new();
-        let mut by_user: Vec<Vec<usize>> = Vec::new();
-        for (i, r) in ratings.iter().enumerate() {
-            let u = *users.entry(r.user).or_insert_with(|| {
-                by_user.push(Vec::new());
-                (by_user.len() - 1) as u32
-            });
-            by_user[u as usize].push(i);
-        }
+    /// The users' training sequences from their `timelines` (see [`timelines`]), and for each
+    /// rating of `ratings` its (user index, training ratings before it); `split_at` is left to
+    /// the caller, who splits the ratings.
+    fn new(
+        ratings: &[Rating],
+        timelines: &[Vec<usize>],
+        eval: &[bool],
+        length: usize,
+        rows: u64,
+    ) -> (Self, Vec<(u32, u32)>) {
         let mut at = vec![(0, 0); ratings.len()];
-        let mut sequences = Vec::with_capacity(by_user.len());
-        for (u, mut idx) in by_user.into_iter().enumerate() {
-            idx.sort_by_key(|&i| (ratings[i].timestamp, ratings[i].line));
+        let mut sequences = Vec::with_capacity(timelines.len());
+        for (u, idx) in timelines.iter().enumerate() {
             let mut seq = Vec::new();
-            for i in idx {
+            for &i in idx {
                 at[i] = (u as u32, seq.len() as u32);
                 if !eval[i] {
                     seq.push(ratings[i].item.rem_euclid(rows as i64));
@@ -240,7 +239,7 @@ impl History {
             }
             sequences.push(seq);
         }
-        Self { length, sequences, at, split_at: [Vec::new(), Vec::new()] }
+        (Self { length, sequences, split_at: [Vec::new(), Vec::new()] }, at)
     }
 
     /// The history of a rating at `(user, before)`: the latest `length` items before it.
@@ -378,10 +377,18 @@ impl MovieLensSampler {
         let path = ctx.base_dir.join(&config.path);
         let layout = Arc::new(resolve_layout(&path, config.format)?);
         let ratings = read_ratings(&path, Arc::clone(&layout), &config, workers)?;
-        let eval_flags = split_flags(&ratings, &config, ctx.seed);
-        let history = match config.history_length {
-            Some(length) => Some(History::new(&ratings, &eval_flags, length, history_rows(ctx)?)),
-            None => None,
+        // Each user's ratings in time order, for a split by time and for histories.
+        let timelines = match (config.split, config.history_length) {
+            (MovieLensSplit::Random, None) => Vec::new(),
+            _ => timelines(&ratings),
+        };
+        let eval_flags = split_flags(&ratings, &timelines, &config, ctx.seed);
+        let (history, history_at) = match config.history_length {
+            Some(length) => {
+                let (h, at) = History::new(&ratings, &timelines, &eval_flags, length, history_rows(ctx)?);
+                (Some(h), at)
+            }
+            None => (None, Vec::new()),
         };
         let (mut train, mut eval) = (Vec::new(), Vec::new());
         let mut at = [Vec::new(), Vec::new()];
@@ -395,11 +402,11 @@ impl MovieLensSampler {
             } else {
                 continue;
             };
-            if let Some(h) = &history {
-                at[split].push(h.at[i]);
+            if history.is_some() {
+                at[split].push(history_at[i]);
             }
         }
-        let history = history.map(|h| History { at: Vec::new(), split_at: at, ..h });
+        let history = history.map(|h| History { split_at: at, ..h });
         Ok(Self { inner: Arc::new(Inner { config, schema, train, eval, rows, seed: ctx.seed, shard, history }) })
     }
 
@@ -473,46 +480,42 @@ fn read_ratings(
     Ok(ratings)
 }
 
-/// Whether each rating is in the eval split.
-fn split_flags(ratings: &[Rating], config: &MovieLensConfig, seed: u64) -> Vec<bool> {
-    match config.split {
-        MovieLensSplit::Random => {
-            ratings.iter().map(|r| stream::is_eval_row(seed, r.line, config.eval_fraction)).collect()
-        }
-        MovieLensSplit::Temporal => {
-            let mut by_user: HashMap<i64, Vec<usize>> = HashMap::new();
-            for (i, r) in ratings.iter().enumerate() {
-                by_user.entry(r.user).or_default().push(i);
-            }
-            let mut flags = vec![false; ratings.len()];
-            for idx in by_user.values_mut() {
-                let n = idx.len();
-                let k = ((config.eval_fraction * n as f64).ceil() as usize).min(n.saturating_sub(1));
-                idx.sort_by_key(|&i| (ratings[i].timestamp, ratings[i].line));
-                for &i in &idx[n - k..] {
-                    flags[i] = true;
-                }
-            }
-            flags
-        }
-        MovieLensSplit::LeaveOneOut => {
-            // Each user's latest rating (timestamp, then line), when the user has two or more.
-            let mut latest: HashMap<i64, (usize, usize)> = HashMap::new();
-            for (i, r) in ratings.iter().enumerate() {
-                let e = latest.entry(r.user).or_insert((i, 0));
-                let best = &ratings[e.0];
-                if (r.timestamp, r.line) > (best.timestamp, best.line) {
-                    e.0 = i;
-                }
-                e.1 += 1;
-            }
-            let mut flags = vec![false; ratings.len()];
-            for (i, n) in latest.into_values() {
-                flags[i] = n > 1;
-            }
-            flags
+/// Each user's ratings (indices into `ratings`) in time order: by timestamp, ties by line.
+fn timelines(ratings: &[Rating]) -> Vec<Vec<usize>> {
+    let mut users: HashMap<i64, usize> = HashMap::new();
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for (i, r) in ratings.iter().enumerate() {
+        let u = *users.entry(r.user).or_insert_with(|| {
+            out.push(Vec::new());
+            out.len() - 1
+        });
+        out[u].push(i);
+    }
+    for idx in &mut out {
+        idx.sort_by_key(|&i| (ratings[i].timestamp, ratings[i].line));
+    }
+    out
+}
+
+/// Whether each rating is in the eval split; `timelines` (see [`timelines`]) for the splits
+/// by time.
+fn split_flags(ratings: &[Rating], timelines: &[Vec<usize>], config: &MovieLensConfig, seed: u64) -> Vec<bool> {
+    if config.split == MovieLensSplit::Random {
+        return ratings.iter().map(|r| stream::is_eval_row(seed, r.line, config.eval_fraction)).collect();
+    }
+    let mut flags = vec![false; ratings.len()];
+    for idx in timelines {
+        let n = idx.len();
+        // The user's latest k ratings; every user keeps at least one for training.
+        let k = match config.split {
+            MovieLensSplit::LeaveOneOut => 1,
+            _ => (config.eval_fraction * n as f64).ceil() as usize,
+        };
+        for &i in &idx[n - k.min(n.saturating_sub(1))..] {
+            flags[i] = true;
         }
     }
+    flags
 }
 
 impl Inner {
@@ -718,9 +721,9 @@ mod tests {
         assert!(histories(&all, Split::Train, 4).contains(&(1, 11, vec![10, 12])));
         let ratings = all.train_ratings().to_vec();
         let flags: Vec<bool> = ratings.iter().map(|r| r.item == 12).collect();
-        let h = History::new(&ratings, &flags, 5, 100);
+        let (h, at) = History::new(&ratings, &timelines(&ratings), &flags, 5, 100);
         let user1_latest = ratings.iter().position(|r| r.item == 11).unwrap();
-        assert_eq!(h.of(h.at[user1_latest]), [10]);
+        assert_eq!(h.of(at[user1_latest]), [10]);
     }
 
     #[test]
