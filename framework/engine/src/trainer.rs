@@ -27,7 +27,7 @@ use crate::run_dir::{Progress, RunDir, RunSummary, human};
 use crate::runtime::with_torch_seed;
 
 /// The recipe's `[train]` schedule: what happens after which step.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) struct Cadence {
     steps: Option<u64>,
     epochs: u64,
@@ -119,17 +119,24 @@ impl Stops {
     }
 }
 
-/// What is saved when, and the fail points that interrupt a run in tests.
+/// What is saved when (on the run's [`Cadence`]), and the fail points that interrupt a run in
+/// tests.
 pub(crate) struct Checkpointer {
-    cadence: Cadence,
     /// The step the run started from (nothing to save at the end when it trained nothing).
     first_step: u64,
 }
 
 impl Checkpointer {
     /// After step `p.step`: the periodic checkpoint; then, in tests, a `kill -9` stand-in.
-    fn after_step(&self, job: &Job, p: &Progress, metrics: &TrainMetrics, lead: bool) -> Result<(), EngineError> {
-        if self.cadence.saves(p.step) {
+    fn after_step(
+        &self,
+        cadence: &Cadence,
+        job: &Job,
+        p: &Progress,
+        metrics: &TrainMetrics,
+        lead: bool,
+    ) -> Result<(), EngineError> {
+        if cadence.saves(p.step) {
             job.save_checkpoint(p, metrics)?;
         }
         if lead && crate::checkpoint::failpoint("abort-after-step", p.step) {
@@ -141,12 +148,12 @@ impl Checkpointer {
 
     /// Stopped after step `p.step`: its checkpoint (the loss window and the data position in
     /// it), so the resumed run writes the uninterrupted one's metric lines.
-    fn at_stop(&self, job: &Job, p: &Progress, metrics: &TrainMetrics) -> Result<(), EngineError> {
+    fn at_stop(&self, cadence: &Cadence, job: &Job, p: &Progress, metrics: &TrainMetrics) -> Result<(), EngineError> {
         // Tests hold the stop here (a slow save) to send a second signal meanwhile.
         if let Some(ms) = crate::checkpoint::failpoint_value("stop-hold-ms") {
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
-        if !self.cadence.saves(p.step) {
+        if !cadence.saves(p.step) {
             job.save_checkpoint(p, metrics)?;
         }
         Ok(())
@@ -154,8 +161,8 @@ impl Checkpointer {
 
     /// The trained model, unless `checkpoint_every` saved this step already (or nothing
     /// trained: a run resumed from its last step).
-    fn at_end(&self, job: &Job, p: &Progress, metrics: &TrainMetrics) -> Result<(), EngineError> {
-        if self.cadence.final_checkpoint && !self.cadence.saves(p.step) && p.step > self.first_step {
+    fn at_end(&self, cadence: &Cadence, job: &Job, p: &Progress, metrics: &TrainMetrics) -> Result<(), EngineError> {
+        if cadence.final_checkpoint && !cadence.saves(p.step) && p.step > self.first_step {
             job.save_checkpoint(p, metrics)?;
         }
         Ok(())
@@ -216,7 +223,7 @@ impl Trainer {
             );
         }
         Ok(Self {
-            checkpointer: Checkpointer { cadence: cadence.clone(), first_step: progress.step },
+            checkpointer: Checkpointer { first_step: progress.step },
             cadence,
             run_dir,
             metrics,
@@ -341,7 +348,7 @@ impl Trainer {
             self.run_dir.write(step, "eval", &m)?;
             self.progress.set_last_eval(&m);
         }
-        self.checkpointer.after_step(job, &self.progress, &self.metrics, self.run_dir.lead())
+        self.checkpointer.after_step(&self.cadence, job, &self.progress, &self.metrics, self.run_dir.lead())
     }
 
     /// The loss window's mean (which closes) with the values reported beside it: throughput,
@@ -369,7 +376,7 @@ impl Trainer {
     fn finish(mut self, job: &mut Job, end: End) -> Result<RunSummary, EngineError> {
         let p = &mut self.progress;
         if let End::Stopped(signal) = end {
-            self.checkpointer.at_stop(job, p, &self.metrics)?;
+            self.checkpointer.at_stop(&self.cadence, job, p, &self.metrics)?;
             let run_dir = self.run_dir.path().to_path_buf();
             self.run_dir.finish()?;
             return Err(EngineError::Stopped { signal, step: p.step, run_dir });
@@ -386,7 +393,7 @@ impl Trainer {
                 m
             }
         };
-        self.checkpointer.at_end(job, p, &self.metrics)?;
+        self.checkpointer.at_end(&self.cadence, job, p, &self.metrics)?;
         let output_dir = self.run_dir.path().to_path_buf();
         self.run_dir.finish()?;
         let last_loss = f64::from_bits(p.last_loss);
