@@ -173,13 +173,7 @@ impl Job {
     /// matrix products in `train.dense_precision`, from the batch's dense features, pooled
     /// embeddings and sequence features.
     fn eval_logits(&self, dense: &Tensor, sparse: &Tensor, batch: &Batch) -> Result<Tensor, EngineError> {
-        let sequences = match &self.sparse.sequences {
-            Some(s) => {
-                let ids = batch.sparse.full_batch()?;
-                s.forward(&ids, self.layout.device, false)?.0
-            }
-            None => Vec::new(),
-        };
+        let (sequences, _) = self.sparse.sequence_forward(&batch.sparse, self.layout.device, false)?;
         let input = trainrec_models::ModelInput { dense, pooled: sparse, sequences: &sequences };
         Ok(Autocast::run(self.layout.precision, self.layout.device, || self.model.forward_input(&input, false))
             .to_kind(Kind::Float))

@@ -201,13 +201,7 @@ impl Pipeline {
         let sparse = crate::tensors::pooled_leaf(sparse, layout.precision, &*model);
         let ids = batch.sparse.full_batch()?;
         // Sequence features: per-id rows as leaves that receive their gradient.
-        let (sequences, sequence_ctx) = match &arch.sequences {
-            Some(s) => {
-                let (seqs, ctx) = s.forward(&ids, layout.device, true)?;
-                (seqs, Some(ctx))
-            }
-            None => (Vec::new(), None),
-        };
+        let (sequences, sequence_ctx) = arch.sequence_forward(&ids, layout.device, true)?;
         // Sample weights, and the sum of the global batch's (the loss's denominator): summed
         // across ranks here, before the stage thread may run collectives of its own.
         let weights = match &batch.weights {
@@ -280,9 +274,7 @@ impl Pipeline {
             let grad = sparse.grad();
             crate::inputs::clip_pooled_gradient(&grad, &layout.gradient_clip);
             arch.backward(&batch.sparse, &mut ctx, &grad)?;
-            if let (Some(s), Some(ctx)) = (&mut arch.sequences, sequence_ctx) {
-                s.backward(&ids, &sequences, ctx)?;
-            }
+            arch.sequence_backward(&ids, &sequences, sequence_ctx)?;
             self.last_times = ctx.times;
         }
         let predictions = match logits {

@@ -13,7 +13,7 @@ use trainrec_sharding::{ShardedEbc, ShardingPlan};
 use trainrec_sparse::KeyedJaggedTensor;
 
 use crate::error::EngineError;
-use crate::sequence_tables::SequenceTables;
+use crate::sequence_tables::{SequenceContext, SequenceTables, Sequences};
 
 /// The job's pooled tables.
 pub(crate) enum Pooled {
@@ -26,7 +26,7 @@ pub(crate) enum Pooled {
 /// The job's embedding tables: pooled, and sequence tables when the recipe has any.
 pub(crate) struct SparseArch {
     pub(crate) pooled: Pooled,
-    pub(crate) sequences: Option<SequenceTables>,
+    sequences: Option<SequenceTables>,
 }
 
 impl SparseArch {
@@ -101,6 +101,37 @@ impl SparseArch {
         let engine = self.engine_mut()?;
         let memory = engine.memory();
         Ok(crate::tensors::with_grad_buffer(grad, memory, |g| engine.backward_and_update(kjt, ctx, g))?)
+    }
+
+    /// The batch's sequence features on `device` (gradients wanted when `train`) and what their
+    /// backward needs; none without sequence tables. Collective when they are sharded.
+    pub(crate) fn sequence_forward(
+        &self,
+        kjt: &KeyedJaggedTensor,
+        device: tch::Device,
+        train: bool,
+    ) -> Result<(Sequences, Option<SequenceContext>), EngineError> {
+        match &self.sequences {
+            Some(s) => {
+                let (seqs, ctx) = s.forward(&*kjt.full_batch()?, device, train)?;
+                Ok((seqs, Some(ctx)))
+            }
+            None => Ok((Vec::new(), None)),
+        }
+    }
+
+    /// The sequence tables' fused backward and update from the gradients left on `seqs` (what
+    /// [`SparseArch::sequence_forward`] gave for `kjt`).
+    pub(crate) fn sequence_backward(
+        &mut self,
+        kjt: &KeyedJaggedTensor,
+        seqs: &Sequences,
+        ctx: Option<SequenceContext>,
+    ) -> Result<(), EngineError> {
+        match (&mut self.sequences, ctx) {
+            (Some(s), Some(ctx)) => s.backward(&*kjt.full_batch()?, seqs, ctx),
+            _ => Ok(()),
+        }
     }
 
     /// Unpins batches prefetched into table caches that will not be trained.
