@@ -1,7 +1,8 @@
-//! The job's sequence tables (`pooling = "none"`, TorchRec's `EmbeddingCollection`): one
-//! collection on this rank whose per-id lookups reach the dense model as jagged embeddings
-//! ([`trainrec_models::JaggedEmbeddings`], leaves that receive their gradient), and whose
-//! gradients come back to its fused optimizer update after the dense backward.
+//! The job's sequence tables (`pooling = "none"`, TorchRec's `EmbeddingCollection`): whole
+//! tables on one rank or sharded over the job's ranks, whose per-id lookups reach the dense
+//! model as jagged embeddings ([`trainrec_models::JaggedEmbeddings`], leaves that receive their
+//! gradient), and whose gradients come back to their fused optimizer update after the dense
+//! backward.
 
 use std::sync::Arc;
 
