@@ -55,10 +55,13 @@ fn builtin_models_conform() {
         ),
         ("wide_deep", "deep = [8, 1]"),
         ("din", "candidate = \"item\"\nhistory = \"history\"\nattention_mlp = [6]\nmlp = [8, 1]"),
+        ("sasrec", "target = \"item\"\nmax_length = 3\nheads = 1\ninner_size = 8\ndropout = 0.2"),
     ];
     for (kind, config) in cases {
         let factory = registry.model_for(kind).unwrap_or_else(|| panic!("{kind} is registered"));
-        let case = ModelCase::new(config, 3, &[4, 4, 4]);
+        // SASRec reads the history and the target alone: no pooled embeddings to train.
+        let pooled: &[usize] = if kind == "sasrec" { &[] } else { &[4, 4, 4] };
+        let case = ModelCase::new(config, 3, pooled);
         let case = if factory.reads_sequences() { case.sequences(&[("item", 5), ("history", 5)]) } else { case };
         let report = case.check_factory(factory);
         assert!(report.is_ok(), "model {kind}:\n{report}");

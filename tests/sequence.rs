@@ -372,6 +372,29 @@ fn a_sequence_table_is_checkpointed_and_restored() {
     assert_eq!(fresh.table_weights("items").unwrap(), job.table_weights("items").unwrap());
 }
 
+/// Position weights (on the pooled users table, beside the sequence table) train, are saved
+/// with the dense parameters and come back from a checkpoint with the table.
+#[test]
+fn position_weights_are_checkpointed_and_restored() {
+    let dir = tmp("checkpoint-pw");
+    let path = recipe(&dir, "none", r#"{ kind = "adagrad", lr = 0.1 }"#, "");
+    let overrides = ["tables[0].position_weighted.max_length=3".to_string()];
+    let mut job = build_rank(&path, &overrides, None);
+    let summary = job.run().unwrap();
+    let trained = job.dense_parameters();
+    let key = trained.keys().find(|k| k.ends_with("position_weights.user")).expect("position weights").clone();
+    assert_eq!(trained[&key].len(), 3);
+    assert!(trained[&key].iter().any(|&w| (w - 1.0).abs() > 1e-4), "trained: {:?}", trained[&key]);
+    let ck = trainrec::engine::checkpoint::Checkpoint::open(&summary.output_dir.join("checkpoints/step-00000015"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut fresh = build_rank(&path, &overrides, None);
+    assert!(fresh.dense_parameters()[&key].iter().all(|&w| w == 1.0), "position weights start at 1");
+    fresh.load_checkpoint(&ck).unwrap();
+    assert_eq!(fresh.dense_parameters()[&key], trained[&key]);
+    assert_eq!(fresh.table_weights("users").unwrap(), job.table_weights("users").unwrap());
+    assert_eq!(fresh.evaluate().unwrap(), job.evaluate().unwrap());
+}
+
 #[test]
 fn validation_refuses_what_the_sequence_path_cannot_run() {
     let dir = tmp("refusals");
@@ -392,6 +415,16 @@ fn validation_refuses_what_the_sequence_path_cannot_run() {
     assert!(e.contains("a sequence table has no CUDA path yet"), "{e}");
     let e = check(&["tables[1].max_gradient=1.0"], &registry());
     assert!(e.contains("tables[1].max_gradient"), "{e}");
+    // Position weights on the pooled users table: sum pooling, a sane length, CPU, no cache.
+    let pw = "tables[0].position_weighted.max_length";
+    let e = check(&[&format!("{pw}=0")], &registry());
+    assert!(e.contains(pw) && e.contains("must be in 1..="), "{e}");
+    let e = check(&[&format!("{pw}=4"), "tables[0].pooling=\"mean\""], &registry());
+    assert!(e.contains("tables[0].position_weighted") && e.contains("need sum pooling"), "{e}");
+    let e = check(&[&format!("{pw}=4"), "tables[0].max_gradient=1.0"], &registry());
+    assert!(e.contains("tables[0].max_gradient"), "{e}");
+    let e = check(&[&format!("{pw}=4"), "topology.compute_device=\"cuda\""], &registry());
+    assert!(e.contains("position weights have no CUDA path yet"), "{e}");
 }
 
 /// The same model under a kind that does not declare `READS_SEQUENCES`.

@@ -9,6 +9,8 @@
 //! Each example has two sparse features, `user_id` and `item_id` (one id each, looked up at row
 //! `id mod rows`), no dense features, one label column `label`, and the raw user id as its
 //! grouping key ([`crate::Batch::groups`], `grouping_key = "user"`) for grouped AUC and NDCG.
+//! No table needs to read `user_id` (a model such as SASRec knows a user by their history):
+//! unread, it carries the raw user ids.
 //!
 //! With `history_length = N`, a third sparse feature, `history`, holds the user's history
 //! before the example's rating: the items of the user's training ratings that come earlier in
@@ -373,7 +375,16 @@ impl MovieLensSampler {
         let workers = stream::check_workers(config.num_workers)?;
         let shard = Shard::of(ctx)?;
         let schema = Self::feature_schema(&config);
-        let rows = [ctx.rows("user_id")?, ctx.rows("item_id")?];
+        // A model that knows a user only by their history (SASRec) needs no user table: the
+        // raw user ids then travel unread.
+        let users = match ctx.rows("user_id") {
+            Ok(rows) => rows,
+            Err(_) => {
+                tracing::info!("no table reads user_id: the model sees users only through their features");
+                i64::MAX as u64
+            }
+        };
+        let rows = [users, ctx.rows("item_id")?];
         let path = ctx.base_dir.join(&config.path);
         let layout = Arc::new(resolve_layout(&path, config.format)?);
         let ratings = read_ratings(&path, Arc::clone(&layout), &config, workers)?;

@@ -71,17 +71,24 @@ pub fn check_loaded(loaded: &LoadedRecipe, registry: &Registry) -> Result<Featur
             let inputs = model_inputs(recipe, features, num_tasks);
             problems.extend(sequence_problems(recipe, factory));
             let model_checks = factory.check(&recipe.model.config(), &inputs);
-            let ranks = recipe.metrics.iter().any(|m| matches!(m, trainrec_recipe::MetricSection::RecallAtK { .. }));
-            if model_checks.is_empty() && ranks {
-                // Retrieval metrics need a model that embeds candidates apart: ask a scratch copy.
+            let ranks = recipe.metrics.iter().any(|m| {
+                matches!(
+                    m,
+                    trainrec_recipe::MetricSection::RecallAtK { .. }
+                        | trainrec_recipe::MetricSection::FullRanking { .. }
+                )
+            });
+            if model_checks.is_empty() && (ranks || factory.reads_sequences()) {
+                // Ranking metrics need a model that embeds candidates apart or predicts next
+                // items, and a catalogue must be a sequence table's: ask a scratch copy.
                 let vs = tch::nn::VarStore::new(tch::Device::Cpu);
                 let built = crate::runtime::with_torch_seed(0, || {
                     tch::no_grad(|| factory.build(&vs.root(), &recipe.model.config(), &inputs))
                 });
                 if let Ok(model) = built {
-                    if let Err(d) = crate::inputs::retrieval_spec(recipe, model.as_ref()) {
-                        problems.push(d);
-                    }
+                    problems.extend(crate::inputs::retrieval_spec(recipe, model.as_ref()).err());
+                    problems.extend(crate::inputs::next_item_spec(recipe, model.as_ref()).err());
+                    problems.extend(crate::inputs::catalogue_problem(recipe, model.as_ref()));
                 }
             }
             problems.extend(model_checks);
@@ -138,7 +145,10 @@ fn unread_features(recipe: &Recipe, features: &FeatureSchema) -> Vec<Diagnostic>
         .iter()
         .flat_map(|t| t.features.iter().map(|f| trainrec_recipe::FeatureRef::parse(f).input))
         .collect();
-    let unread: Vec<&str> = features.sparse.iter().map(String::as_str).filter(|f| !read.contains(f)).collect();
+    // MovieLens users may go unread: a sequence model (SASRec) knows a user by their history.
+    let optional = |f: &str| kind == "movielens" && f == "user_id";
+    let unread: Vec<&str> =
+        features.sparse.iter().map(String::as_str).filter(|f| !read.contains(f) && !optional(f)).collect();
     let history = trainrec_data::movielens::HISTORY;
     let (at, help) = match unread.as_slice() {
         [] => return Vec::new(),

@@ -22,6 +22,13 @@ pub fn is_sequence(table: &TableSection) -> bool {
     table.pooling == trainrec_types::PoolingMode::None
 }
 
+/// Whether a recipe table is looked up id by id by the job's embedding collection: a sequence
+/// table, or a table with position-weighted features (TorchRec's feature-processed bags: the
+/// rows are weighted by position and summed in the dense graph, so the weights learn).
+pub fn in_collection(table: &TableSection) -> bool {
+    is_sequence(table) || table.position_weighted.is_some()
+}
+
 /// The sequence features of the recipe's sequence tables: (name, dim), in table order.
 pub fn sequence_outputs(recipe: &Recipe) -> Vec<(String, usize)> {
     let tables = recipe.tables.iter().filter(|t| is_sequence(t));
@@ -45,6 +52,7 @@ pub fn model_inputs(recipe: &Recipe, features: &FeatureSchema, num_tasks: usize)
 pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
     let mut outputs = Vec::new();
     let mut keys = Vec::new();
+    // In table order, position-weighted tables (pooled in the dense graph) among the others.
     for (t, table) in recipe.tables.iter().enumerate().filter(|(_, t)| !is_sequence(t)) {
         for f in &table.features {
             outputs.push((f.clone(), table.dim));
@@ -54,13 +62,32 @@ pub fn sparse_outputs(recipe: &Recipe) -> (Vec<(String, usize)>, Vec<KeyPath>) {
     (outputs, keys)
 }
 
-/// Columns of the pooled outputs whose gradient is clipped (FBGEMM's `gradient_clipping`):
-/// `(first column, columns, max_gradient)` for each feature of a table with a
-/// `tables[].max_gradient` (or, unset, `embedding.max_gradient`), in [`sparse_outputs`]' order.
+/// Where the pooled outputs' columns come from when the recipe has position-weighted tables:
+/// the model's column `c` is column `order[c]` of the pooled engine's outputs followed by the
+/// position-weighted ones (`None` when there are none: the engine's outputs are the model's).
+pub(crate) fn pooled_column_order(recipe: &Recipe) -> Option<Vec<i64>> {
+    let pooled = recipe.tables.iter().filter(|t| !is_sequence(t));
+    if !pooled.clone().any(|t| t.position_weighted.is_some()) {
+        return None;
+    }
+    let width = |t: &&TableSection| (t.features.len() * t.dim) as i64;
+    let engine_width: i64 = pooled.clone().filter(|t| t.position_weighted.is_none()).map(|t| width(&t)).sum();
+    let (mut engine_at, mut weighted_at, mut order) = (0i64, engine_width, Vec::new());
+    for t in pooled {
+        let at = if t.position_weighted.is_some() { &mut weighted_at } else { &mut engine_at };
+        order.extend(*at..*at + width(&t));
+        *at += width(&t);
+    }
+    Some(order)
+}
+
+/// Columns of the pooled engine's outputs whose gradient is clipped (FBGEMM's
+/// `gradient_clipping`): `(first column, columns, max_gradient)` for each feature of a table
+/// with a `tables[].max_gradient` (or, unset, `embedding.max_gradient`), in the engine's order.
 pub fn gradient_clip_columns(recipe: &Recipe) -> Vec<(i64, i64, f64)> {
     let mut out = Vec::new();
     let mut column = 0;
-    for table in recipe.tables.iter().filter(|t| !is_sequence(t)) {
+    for table in recipe.tables.iter().filter(|t| !in_collection(t)) {
         let max = table.max_gradient.or(recipe.embedding.max_gradient);
         for _ in &table.features {
             if let Some(m) = max {
@@ -146,7 +173,7 @@ pub fn recipe_ebc(recipe: &Recipe) -> Result<EmbeddingBagCollection, trainrec_em
 pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> Vec<EmbeddingBagConfig> {
     let dir = recipe.embedding.offload_dir.clone().unwrap_or_else(|| recipe.output_dir().join("offload"));
     let mut tables = recipe_tables(recipe);
-    for (c, t) in tables.iter_mut().zip(recipe.tables.iter().filter(|t| !is_sequence(t))) {
+    for (c, t) in tables.iter_mut().zip(recipe.tables.iter().filter(|t| !in_collection(t))) {
         let Some(tp) = plan.tables.iter().find(|p| p.name == c.name) else { continue };
         let Some(backing) = tp.compute_kernel.cache_backing() else { continue };
         // The plan records the load factor used; a pinned `plan.json` written before it did
@@ -160,10 +187,10 @@ pub(crate) fn planned_tables(recipe: &Recipe, plan: &trainrec_planner::Plan) -> 
     tables
 }
 
-/// The recipe's pooled `[[tables]]` as embedding table configurations (its sequence tables
-/// are the job's sequence collection's).
+/// The recipe's pooled `[[tables]]` as embedding table configurations (its sequence and
+/// position-weighted tables are the job's embedding collection's).
 pub(crate) fn recipe_tables(recipe: &Recipe) -> Vec<EmbeddingBagConfig> {
-    table_configs(recipe.tables.iter().filter(|t| !is_sequence(t)))
+    table_configs(recipe.tables.iter().filter(|t| !in_collection(t)))
 }
 
 /// Recipe tables as embedding table configurations.
@@ -203,6 +230,13 @@ pub(crate) fn retrieval_spec(
     };
     let at = trainrec_recipe::KeyPath::root().key("metrics").index(i).key("kind");
     let kind = recipe.model.kind().unwrap_or_default();
+    if let Some(t) = recipe.tables.iter().find(|t| t.position_weighted.is_some()) {
+        return Err(trainrec_recipe::Diagnostic::new(
+            at,
+            format!("recall_at_k embeds candidates through the pooled tables; table {} is position-weighted", t.name),
+        )
+        .with_help("drop tables[].position_weighted or this metric: the two do not go together yet"));
+    }
     let Some(retrieval) = model.retrieval() else {
         return Err(trainrec_recipe::Diagnostic::new(
             at,
@@ -227,6 +261,106 @@ pub(crate) fn retrieval_spec(
         .map(|t| t.rows)
         .ok_or_else(|| trainrec_recipe::Diagnostic::new(at.clone(), format!("no table looks up {feature}")))?;
     Ok(Some(RetrievalSpec { input: FeatureRef::parse(feature).input.to_owned(), rows, ks }))
+}
+
+/// What a `full_ranking` metric ranks: each eval example's target among every row of the item
+/// table.
+pub(crate) struct NextItemSpec {
+    /// The item table (a sequence table) whose rows are the catalogue.
+    pub(crate) table: String,
+    /// The target feature's input (KJT key): examples with one id there are ranked.
+    pub(crate) target: String,
+    /// Cut-offs.
+    pub(crate) ks: Vec<usize>,
+}
+
+/// The catalogue and cut-offs of a recipe's `full_ranking`, or why the model cannot be ranked
+/// that way.
+pub(crate) fn next_item_spec(
+    recipe: &Recipe,
+    model: &dyn DenseModel,
+) -> Result<Option<NextItemSpec>, trainrec_recipe::Diagnostic> {
+    let Some((i, ks)) = recipe.metrics.iter().enumerate().find_map(|(i, m)| match m {
+        MetricSection::FullRanking { k } => Some((i, k.clone())),
+        _ => None,
+    }) else {
+        return Ok(None);
+    };
+    let at = KeyPath::root().key("metrics").index(i).key("kind");
+    let kind = recipe.model.kind().unwrap_or_default();
+    let Some(next) = model.next_item() else {
+        return Err(trainrec_recipe::Diagnostic::new(
+            at,
+            format!("full_ranking ranks each user's next item among every item; model {kind} does not predict one"),
+        )
+        .with_help("use a next-item model such as kind = \"sasrec\", or drop this metric"));
+    };
+    let table = sequence_table_of(recipe, next.item_feature()).ok_or_else(|| {
+        trainrec_recipe::Diagnostic::new(
+            at.clone(),
+            format!("the model's item feature {} is not read by a pooling = \"none\" table", next.item_feature()),
+        )
+    })?;
+    if sequence_table_of(recipe, next.target_feature()) != Some(table) {
+        return Err(trainrec_recipe::Diagnostic::new(
+            at,
+            format!(
+                "full_ranking ranks the target {} among the rows of table {}, which does not read it",
+                next.target_feature(),
+                table.name
+            ),
+        )
+        .with_help(format!("add \"{}\" to tables.{}.features", next.target_feature(), table.name)));
+    }
+    let target = FeatureRef::parse(next.target_feature()).input.to_owned();
+    Ok(Some(NextItemSpec { table: table.name.clone(), target, ks }))
+}
+
+/// The sequence table that reads `feature`.
+fn sequence_table_of<'a>(recipe: &'a Recipe, feature: &str) -> Option<&'a TableSection> {
+    recipe.tables.iter().find(|t| is_sequence(t) && t.features.iter().any(|f| f == feature))
+}
+
+/// Why a model's catalogue request cannot be served: its feature must be read by a sequence
+/// table, and by no other sequence table's feature of the same input (the catalogue's rows
+/// join that input's lookups).
+pub(crate) fn catalogue_problem(recipe: &Recipe, model: &dyn DenseModel) -> Option<trainrec_recipe::Diagnostic> {
+    let request = model.catalogue()?;
+    let at = KeyPath::root().key("model").key("kind");
+    let Some(table) = sequence_table_of(recipe, &request.feature) else {
+        return Some(
+            trainrec_recipe::Diagnostic::new(
+                at,
+                format!(
+                    "the model scores against the rows of the table of {}, which no pooling = \"none\" table reads",
+                    request.feature
+                ),
+            )
+            .with_help("read that feature from the item table, with pooling = \"none\""),
+        );
+    };
+    let input = FeatureRef::parse(&request.feature).input;
+    let others: Vec<&str> = recipe
+        .tables
+        .iter()
+        .filter(|t| is_sequence(t))
+        .flat_map(|t| t.features.iter().map(move |f| (t, f)))
+        .filter(|(t, f)| FeatureRef::parse(f).input == input && !(t.name == table.name && *f == &request.feature))
+        .map(|(t, _)| t.name.as_str())
+        .collect();
+    if let Some(other) = others.first() {
+        return Some(
+            trainrec_recipe::Diagnostic::new(
+                at,
+                format!(
+                    "the model looks up every row of table {} through input {input}, which table {other} also reads",
+                    table.name
+                ),
+            )
+            .with_help("read that input from one sequence table only"),
+        );
+    }
+    None
 }
 
 /// Expands a variable-batch (VBE) KJT in place to one bag per example (managed collisions

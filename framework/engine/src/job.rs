@@ -15,7 +15,9 @@ use trainrec_recipe::{FeatureRef, LoadedRecipe, MetricSection, Recipe};
 
 use crate::data_parallel::{DEFAULT_BUCKET_MIB, DataParallel};
 use crate::error::EngineError;
-use crate::inputs::{BatchLayout, RetrievalSpec, job_tasks, planned_tables, retrieval_spec};
+use crate::inputs::{
+    BatchLayout, NextItemSpec, RetrievalSpec, job_tasks, next_item_spec, planned_tables, retrieval_spec,
+};
 use crate::managed_collisions::McTables;
 use crate::pipeline::{Pipeline, StepParts};
 use crate::registry::Registry;
@@ -41,6 +43,8 @@ pub struct Job {
     pub(crate) plan: trainrec_planner::Plan,
     /// What `recall_at_k` ranks, when the recipe asks for it.
     pub(crate) retrieval: Option<RetrievalSpec>,
+    /// What `full_ranking` ranks, when the recipe asks for it.
+    pub(crate) next_item: Option<NextItemSpec>,
     /// The managed-collision tables (raw ids remapped before the lookup).
     pub(crate) mc: McTables,
     /// The directory the recipe's relative paths resolve against.
@@ -216,8 +220,12 @@ impl Job {
                 }
             }
         };
+        // Position weights are dense parameters: in the model's store, before its optimizer.
+        sparse.attach_position_weights(&recipe, &vs.root());
         let retrieval =
             retrieval_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
+        let next_item =
+            next_item_spec(&recipe, model.as_ref()).map_err(|d| EngineError::Recipe(loaded.locate(vec![d])))?;
         let dense_opt = DenseOptimizer::new(&vs, &recipe.optimizer.dense)?;
         let mut mc = McTables::new(&recipe, &plan)?;
         mc.attach(&mut sparse, &recipe, &plan)?;
@@ -247,6 +255,7 @@ impl Job {
             plugin_metrics,
             plan,
             retrieval,
+            next_item,
             mc,
             base_dir: loaded.base_dir.clone(),
             resume: None,

@@ -15,7 +15,7 @@ use trainrec_models::Autocast;
 use trainrec_recipe::MetricSection;
 
 use crate::error::EngineError;
-use crate::inputs::{RetrievalSpec, expand_vbe};
+use crate::inputs::{NextItemSpec, RetrievalSpec, expand_vbe};
 use crate::job::Job;
 use crate::pipeline::tensors;
 
@@ -148,6 +148,65 @@ impl RecallAtK {
     }
 }
 
+/// HR@k and NDCG@k of next-item targets ranked among every row of the item table
+/// (`full_ranking`).
+struct FullRanking {
+    /// Item embeddings `[rows, d]` row-major, and `d`.
+    items: Vec<f32>,
+    dim: usize,
+    target: String,
+    ks: Vec<usize>,
+    /// Per cut-off: hits, then NDCG sums; then the targets ranked.
+    sums: Vec<f64>,
+}
+
+impl FullRanking {
+    fn new(spec: &NextItemSpec, items: Tensor) -> Result<Self, EngineError> {
+        let dim = items.size()[1] as usize;
+        let items = Vec::<f32>::try_from(items.to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]))
+            .map_err(|e| EngineError::Internal(format!("item embeddings: {e}")))?;
+        let sums = vec![0.0; 2 * spec.ks.len() + 1];
+        Ok(Self { items, dim, target: spec.target.clone(), ks: spec.ks.clone(), sums })
+    }
+
+    /// Ranks the batch's targets (examples with one target id) for the users `users` `[batch, d]`.
+    fn update(&mut self, users: &Tensor, batch: &Batch) -> Result<(), EngineError> {
+        let ids = batch.sparse.full_batch()?;
+        let Some(k) = ids.key_index(&self.target) else {
+            return Err(EngineError::Internal(format!("eval batch lacks feature {}", self.target)));
+        };
+        let f = ids.feature(k);
+        let (rows, targets): (Vec<i64>, Vec<i64>) =
+            (0..batch.batch_size).filter(|&i| f.bag(i).len() == 1).map(|i| (i as i64, f.bag(i)[0])).unzip();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let users = users.index_select(0, &Tensor::from_slice(&rows).to_device(users.device()));
+        let users = Vec::<f32>::try_from(users.to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]))
+            .map_err(|e| EngineError::Internal(format!("user embeddings: {e}")))?;
+        let ranks = trainrec_metrics::target_ranks(&users, &self.items, self.dim, &targets, None)?;
+        let n = self.ks.len();
+        for rank in ranks {
+            for (j, &k) in self.ks.iter().enumerate() {
+                if (rank as usize) < k {
+                    self.sums[j] += 1.0;
+                    self.sums[n + j] += 1.0 / (rank as f64 + 2.0).log2();
+                }
+            }
+            self.sums[2 * n] += 1.0;
+        }
+        Ok(())
+    }
+
+    fn compute(&self) -> Vec<(String, f64)> {
+        let (n, total) = (self.ks.len(), self.sums[2 * self.ks.len()]);
+        let mean = |v: f64| if total == 0.0 { 0.0 } else { v / total };
+        let hr = self.ks.iter().enumerate().map(|(j, k)| (format!("hr_at_{k}"), mean(self.sums[j])));
+        let ndcg = self.ks.iter().enumerate().map(|(j, k)| (format!("ndcg_at_{k}"), mean(self.sums[n + j])));
+        hr.chain(ndcg).collect()
+    }
+}
+
 impl Job {
     /// The sampler's batches of `split` (one pass; the train split in epoch 0's order).
     pub fn batches(&self, split: Split, batch_size: usize) -> Result<trainrec_data::BatchStream, EngineError> {
@@ -173,8 +232,9 @@ impl Job {
     /// matrix products in `train.dense_precision`, from the batch's dense features, pooled
     /// embeddings and sequence features.
     fn eval_logits(&self, dense: &Tensor, sparse: &Tensor, batch: &Batch) -> Result<Tensor, EngineError> {
-        let (sequences, _) = self.sparse.sequence_forward(&batch.sparse, self.layout.device, false)?;
-        let input = trainrec_models::ModelInput { dense, pooled: sparse, sequences: &sequences };
+        let (sequences, _, _) = self.sparse.sequence_forward(&batch.sparse, self.layout.device, false, None)?;
+        let (pooled, sequences) = self.sparse.model_view(sparse, &sequences)?;
+        let input = trainrec_models::ModelInput { dense, pooled: &pooled, sequences: &sequences, catalogue: None };
         Ok(Autocast::run(self.layout.precision, self.layout.device, || self.model.forward_input(&input, false))
             .to_kind(Kind::Float))
     }
@@ -201,6 +261,10 @@ impl Job {
         let mut seen = 0u64;
         let mut recall = match &self.retrieval {
             Some(r) => Some(RecallAtK::new(r, self.corpus_embeddings(r)?, self.layout.precision)),
+            None => None,
+        };
+        let mut ranking = match &self.next_item {
+            Some(spec) => Some(FullRanking::new(spec, self.item_embeddings(spec)?)?),
             None => None,
         };
         let mut batches = self.sampler.batches(Split::Eval, 0, bs)?.take(limit as usize);
@@ -240,6 +304,10 @@ impl Job {
                     self.model.retrieval().ok_or_else(|| EngineError::Internal("retrieval vanished".into()))?;
                 recall.update(retrieval, &dense, &sparse, &labels, &batch)?;
             }
+            if let Some(ranking) = &mut ranking {
+                let users = self.user_embeddings(&dense, &sparse, &batch)?;
+                ranking.update(&users, &batch)?;
+            }
         }
         if seen == 0 {
             return Err(EngineError::EmptySplit("eval"));
@@ -255,7 +323,41 @@ impl Job {
             }
             values.extend(recall.compute());
         }
+        if let Some(mut ranking) = ranking {
+            if let Some(sync) = &self.sync {
+                sync.pg.all_reduce_f64(&mut ranking.sums, trainrec_comm::ReduceOp::Sum)?;
+            }
+            values.extend(ranking.compute());
+        }
         Ok(values)
+    }
+
+    /// Every row of the next-item model's item table as item embeddings `[rows, d]`, fp32
+    /// (collective when the table is sharded).
+    fn item_embeddings(&self, spec: &NextItemSpec) -> Result<Tensor, EngineError> {
+        let next = self.model.next_item().ok_or_else(|| EngineError::Internal("next-item model vanished".into()))?;
+        let weights = self
+            .sparse
+            .table_weights(&spec.table)?
+            .ok_or_else(|| EngineError::Internal(format!("table {} has no weights to rank against", spec.table)))?;
+        let dim = self.recipe.tables.iter().find(|t| t.name == spec.table).map_or(1, |t| t.dim) as i64;
+        let rows = Tensor::from_slice(&weights).view([-1, dim]).to_device(self.layout.device);
+        Ok(tch::no_grad(|| {
+            Autocast::run(self.layout.precision, self.layout.device, || next.item_embeddings(&rows))
+                .to_kind(Kind::Float)
+        }))
+    }
+
+    /// The next-item model's user embeddings `[batch, d]` for an eval batch (fp32).
+    fn user_embeddings(&self, dense: &Tensor, sparse: &Tensor, batch: &Batch) -> Result<Tensor, EngineError> {
+        let next = self.model.next_item().ok_or_else(|| EngineError::Internal("next-item model vanished".into()))?;
+        let (sequences, _, _) = self.sparse.sequence_forward(&batch.sparse, self.layout.device, false, None)?;
+        let (pooled, sequences) = self.sparse.model_view(sparse, &sequences)?;
+        let input = trainrec_models::ModelInput { dense, pooled: &pooled, sequences: &sequences, catalogue: None };
+        Ok(tch::no_grad(|| {
+            Autocast::run(self.layout.precision, self.layout.device, || next.user_embeddings(&input))
+                .to_kind(Kind::Float)
+        }))
     }
 
     /// A batch of no examples, for a rank whose eval split has ended while others go on.
@@ -312,7 +414,7 @@ impl Job {
             .metrics
             .iter()
             // Retrieval recall ranks the corpus at evaluation; it is not a per-prediction metric.
-            .filter(|m| !matches!(m, MetricSection::RecallAtK { .. }))
+            .filter(|m| !matches!(m, MetricSection::RecallAtK { .. } | MetricSection::FullRanking { .. }))
             .map(|m| -> Result<Box<dyn Metric>, EngineError> {
                 Ok(match (m, window) {
                     (MetricSection::Ne { include_logloss }, None) => Box::new(NeMetric::new(*include_logloss)),

@@ -200,8 +200,14 @@ impl Pipeline {
         let (dense, sparse, labels, mut ctx) = tensors(layout, arch, batch, staged)?;
         let sparse = crate::tensors::pooled_leaf(sparse, layout.precision, &*model);
         let ids = batch.sparse.full_batch()?;
-        // Sequence features: per-id rows as leaves that receive their gradient.
-        let (sequences, sequence_ctx) = arch.sequence_forward(&ids, layout.device, true)?;
+        // Sequence features: per-id rows (and the catalogue rows the model asks for) as leaves
+        // that receive their gradient.
+        let request = model.catalogue();
+        let (sequences, catalogue, sequence_ctx) =
+            arch.sequence_forward(&ids, layout.device, true, request.as_ref())?;
+        // The model's pooled embeddings (the position-weighted features joined, pooled in the
+        // graph) and sequence features.
+        let (model_pooled, model_sequences) = arch.model_view(&sparse, &sequences)?;
         // Sample weights, and the sum of the global batch's (the loss's denominator): summed
         // across ranks here, before the stage thread may run collectives of its own.
         let weights = match &batch.weights {
@@ -244,8 +250,9 @@ impl Pipeline {
                 dense_parts.forward_backward(
                     StepTensors {
                         dense: &dense,
-                        sparse: &sparse,
-                        sequences: &sequences,
+                        sparse: &model_pooled,
+                        sequences: &model_sequences,
+                        catalogue: catalogue.as_ref(),
                         labels: &labels,
                         weights: weights.as_ref(),
                     },
@@ -271,7 +278,11 @@ impl Pipeline {
         // The engine reads the gradient tensor's memory in place.
         {
             let _span = tracing::debug_span!("sparse_update").entered();
-            let grad = sparse.grad();
+            // A model that reads no pooled embeddings leaves them no gradient: zeros.
+            let grad = match sparse.grad() {
+                g if g.defined() => g,
+                _ => sparse.zeros_like(),
+            };
             crate::inputs::clip_pooled_gradient(&grad, &layout.gradient_clip);
             arch.backward(&batch.sparse, &mut ctx, &grad)?;
             arch.sequence_backward(&ids, &sequences, sequence_ctx)?;
@@ -462,6 +473,8 @@ struct StepTensors<'a> {
     sparse: &'a Tensor,
     /// The sequence features' jagged embeddings (leaves that receive their gradient).
     sequences: &'a [(String, trainrec_models::JaggedEmbeddings)],
+    /// The catalogue rows the model asked for (a leaf that receives its gradient).
+    catalogue: Option<&'a trainrec_models::Catalogue>,
     labels: &'a Tensor,
     weights: Option<&'a (Tensor, f64)>,
 }
@@ -483,9 +496,9 @@ impl DenseParts<'_> {
         batch: &Batch,
         want_predictions: bool,
     ) -> Result<(f64, Option<Tensor>, usize), EngineError> {
-        let StepTensors { dense, sparse, sequences, labels, weights } = t;
-        let model_input = ModelInput { dense, pooled: sparse, sequences };
-        let input = LossInput { dense, sparse, labels, ids, weights: weights.map(|(w, _)| w) };
+        let StepTensors { dense, sparse, sequences, catalogue, labels, weights } = t;
+        let model_input = ModelInput { dense, pooled: sparse, sequences, catalogue };
+        let input = LossInput { dense, sparse, labels, ids, weights: weights.map(|(w, _)| w), sequences, catalogue };
         // With sample weights the built-in loss is already this rank's share of the global
         // batch's (its denominator is the global weight sum).
         let mut global_share = false;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use trainrec_comm::ProcessGroup;
 use trainrec_embedding::{EmbeddingBagConfig, EmbeddingCollection, LocalShard, SequenceEmbeddings};
-use trainrec_models::JaggedEmbeddings;
+use trainrec_models::{Catalogue, CatalogueRequest, CatalogueRows, JaggedEmbeddings};
 use trainrec_recipe::Recipe;
 use trainrec_sharding::{EcContext, ShardedEc, ShardingPlan};
 use trainrec_sparse::KeyedJaggedTensor;
@@ -34,10 +34,33 @@ enum Collection {
 pub(crate) struct SequenceTables {
     collection: Collection,
     names: Vec<String>,
+    /// (table, rows, features) of each table, for catalogue lookups.
+    tables: Vec<(String, u64, Vec<String>)>,
+    /// Sampled catalogue rows come from this seed, the rank and the steps trained so far.
+    seed: u64,
+    rank: u64,
+    /// Training steps so far (restored from the tables' optimizer steps on a load).
+    steps: u64,
+    /// The position-weighted outputs in the pooled outputs' order: (name, weights `[max_length]`,
+    /// dense parameters of the job's model store), pooled here rather than handed to the model.
+    weighted: Vec<(String, Tensor)>,
 }
 
-/// What a sharded forward leaves for its backward.
-pub(crate) struct SequenceContext(Option<EcContext>);
+/// What a forward leaves for its backward: the sharded lookup's context, and the lookup with
+/// the catalogue rows when a model asked for them.
+pub(crate) struct SequenceContext {
+    sharded: Option<EcContext>,
+    catalogue: Option<CatalogueLookup>,
+}
+
+/// A training lookup that also read catalogue rows: the batch's ids with one more bag (the
+/// catalogue's rows, on the catalogue feature; empty on the others), which output holds it,
+/// and the leaf the model got for it.
+struct CatalogueLookup {
+    kjt: KeyedJaggedTensor,
+    output: usize,
+    rows: Tensor,
+}
 
 impl SequenceTables {
     /// The recipe's sequence tables (sharded over `pg` as `plan` places them), or `None` when
@@ -52,7 +75,9 @@ impl SequenceTables {
             return Ok(None);
         }
         let names = tables.iter().map(|t| t.name.clone()).collect();
+        let catalogue = tables.iter().map(|t| (t.name.clone(), t.rows, t.features.clone())).collect();
         let (seed, optimizer) = (recipe.run.seed ^ SEED_OFFSET, recipe.optimizer.sparse.clone());
+        let rank = pg.as_ref().map_or(0, |pg| pg.rank() as u64);
         let collection = match pg {
             Some(pg) => {
                 let shardings = ShardingPlan::from_plan(plan).shardings_for(&tables)?;
@@ -64,37 +89,181 @@ impl SequenceTables {
                 Collection::Local(Box::new(ec))
             }
         };
-        Ok(Some(Self { collection, names }))
+        Ok(Some(Self { collection, names, tables: catalogue, seed, rank, steps: 0, weighted: Vec::new() }))
     }
 
-    /// The batch's sequence features on `device`, with gradients wanted when `train`, and what
-    /// the backward needs. Collective when sharded.
+    /// Creates the position weights of the recipe's position-weighted features in `vs` (at
+    /// `position_weights.<feature>`, ones, trained by the dense optimizer).
+    pub(crate) fn attach_position_weights(&mut self, recipe: &Recipe, vs: &tch::nn::Path) {
+        let store = vs / "position_weights";
+        for t in recipe.tables.iter() {
+            let Some(pw) = &t.position_weighted else { continue };
+            for f in &t.features {
+                let w = store.var(f, &[pw.max_length as i64], tch::nn::Init::Const(1.0));
+                self.weighted.push((f.clone(), w));
+            }
+        }
+    }
+
+    /// Splits a lookup's features: the model's sequence features (sharing the lookup's
+    /// leaves), and the position-weighted features pooled, `[batch, sum(dims)]` in the pooled
+    /// outputs' order (`None` without any): each id's row times its position's weight, summed
+    /// per bag.
+    pub(crate) fn split_weighted(&self, seqs: &Sequences) -> Result<(Sequences, Option<Tensor>), EngineError> {
+        let model = seqs
+            .iter()
+            .filter(|(n, _)| !self.weighted.iter().any(|(w, _)| w == n))
+            .map(|(n, j)| {
+                let j = JaggedEmbeddings::new(j.values.shallow_clone(), j.lengths.clone())
+                    .map_err(trainrec_models::ModelError::from)?;
+                Ok((n.clone(), j))
+            })
+            .collect::<Result<Sequences, EngineError>>()?;
+        if self.weighted.is_empty() {
+            return Ok((model, None));
+        }
+        let mut pooled = Vec::with_capacity(self.weighted.len());
+        for (name, w) in &self.weighted {
+            let (_, j) = seqs
+                .iter()
+                .find(|(n, _)| n == name)
+                .ok_or_else(|| EngineError::Internal(format!("the lookup has no position-weighted feature {name}")))?;
+            pooled.push(position_pooled(j, w));
+        }
+        Ok((model, Some(Tensor::cat(&pooled, 1))))
+    }
+
+    /// The batch's sequence features on `device`, with gradients wanted when `train`, the
+    /// catalogue rows `catalogue` asks for (in training), and what the backward needs.
+    /// Collective when sharded.
     pub(crate) fn forward(
         &self,
         kjt: &KeyedJaggedTensor,
         device: Device,
         train: bool,
-    ) -> Result<(Sequences, SequenceContext), EngineError> {
-        let (out, ctx) = match &self.collection {
-            Collection::Local(ec) => (ec.forward(kjt)?, SequenceContext(None)),
+        catalogue: Option<&CatalogueRequest>,
+    ) -> Result<(Sequences, Option<Catalogue>, SequenceContext), EngineError> {
+        let extended = match catalogue.filter(|_| train) {
+            Some(request) => Some(self.with_catalogue(kjt, request)?),
+            None => None,
+        };
+        let lookup = extended.as_ref().map_or(kjt, |(k, _, _)| k);
+        let (mut out, sharded) = match &self.collection {
+            Collection::Local(ec) => (ec.forward(lookup)?, None),
             Collection::Sharded(ec) => {
-                let (out, ctx) = ec.forward(kjt)?;
-                (out, SequenceContext(Some(ctx)))
+                let (out, ctx) = ec.forward(lookup)?;
+                (out, Some(ctx))
             }
         };
-        Ok((jagged(out, device, train)?, ctx))
+        let Some((kjt, feature, ids)) = extended else {
+            return Ok((jagged(out, device, train)?, None, SequenceContext { sharded, catalogue: None }));
+        };
+        // Every output's last bag is the extra one: the catalogue's rows on its feature.
+        let output = out.keys.iter().position(|k| *k == feature).ok_or_else(|| {
+            EngineError::Internal(format!("the sequence lookup has no output {feature} for the catalogue"))
+        })?;
+        let mut rows = Vec::new();
+        for (i, (lengths, (values, dim))) in
+            out.lengths.iter_mut().zip(out.values.iter_mut().zip(&out.dims)).enumerate()
+        {
+            let extra = lengths.pop().unwrap_or(0) as usize;
+            let tail = values.split_off(values.len() - extra * dim);
+            if i == output {
+                rows = tail;
+            }
+        }
+        let dim = out.dims[output] as i64;
+        let leaf = Tensor::from_slice(&rows).view([ids.len() as i64, dim]).to_device(device).set_requires_grad(true);
+        let ids = Tensor::from_slice(&ids).to_device(device);
+        let seqs = jagged(out, device, train)?;
+        let lookup = CatalogueLookup { kjt, output, rows: leaf.shallow_clone() };
+        Ok((seqs, Some(Catalogue { ids, rows: leaf }), SequenceContext { sharded, catalogue: Some(lookup) }))
+    }
+
+    /// `kjt` with one more bag per feature: the rows `request` asks for on its feature's input,
+    /// empty elsewhere; and the feature and the rows.
+    fn with_catalogue(
+        &self,
+        kjt: &KeyedJaggedTensor,
+        request: &CatalogueRequest,
+    ) -> Result<(KeyedJaggedTensor, String, Vec<i64>), EngineError> {
+        let Some((table, rows, _)) = self.tables.iter().find(|(_, _, f)| f.contains(&request.feature)) else {
+            return Err(EngineError::Internal(format!(
+                "the model asks for the catalogue of {}, which no sequence table reads",
+                request.feature
+            )));
+        };
+        let ids: Vec<i64> = match request.rows {
+            CatalogueRows::All => (0..*rows as i64).collect(),
+            CatalogueRows::Uniform(n) => {
+                let key = self.seed ^ self.steps.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (self.rank << 48);
+                (0..n as u64).map(|i| (splitmix(key ^ splitmix(i)) % rows) as i64).collect()
+            }
+        };
+        tracing::trace!(table, rows = ids.len(), "catalogue lookup");
+        let input = trainrec_types::FeatureRef::parse(&request.feature).input;
+        let b = kjt.stride();
+        let (keys, values, lengths) = (kjt.keys(), kjt.values(), kjt.lengths());
+        let mut new_values = Vec::with_capacity(values.len() + ids.len());
+        let mut new_lengths = Vec::with_capacity(lengths.len() + keys.len());
+        let mut at = 0usize;
+        for (k, key) in keys.iter().enumerate() {
+            let bags = &lengths[k * b..(k + 1) * b];
+            let n: usize = bags.iter().map(|&l| l as usize).sum();
+            new_values.extend_from_slice(&values[at..at + n]);
+            new_lengths.extend_from_slice(bags);
+            at += n;
+            if key == input {
+                new_values.extend_from_slice(&ids);
+                new_lengths.push(ids.len() as u32);
+            } else {
+                new_lengths.push(0);
+            }
+        }
+        let weights = kjt.weights().map(|w| {
+            let mut out = Vec::with_capacity(new_values.len());
+            let mut at = 0usize;
+            for (k, key) in keys.iter().enumerate() {
+                let n: usize = lengths[k * b..(k + 1) * b].iter().map(|&l| l as usize).sum();
+                out.extend_from_slice(&w[at..at + n]);
+                at += n;
+                if key == input {
+                    out.extend(std::iter::repeat_n(1.0, ids.len()));
+                }
+            }
+            out
+        });
+        let extended = KeyedJaggedTensor::new(keys.to_vec(), new_values, weights, new_lengths, b + 1)
+            .map_err(|e| EngineError::Data(e.into()))?;
+        Ok((extended, request.feature.clone(), ids))
     }
 
     /// The fused backward and update from the gradients the dense backward left on `seqs`
-    /// (a feature the model did not read gets none: zeros). Collective when sharded.
+    /// and on the catalogue rows (a feature the model did not read gets none: zeros).
+    /// Collective when sharded.
     pub(crate) fn backward(
         &mut self,
         kjt: &KeyedJaggedTensor,
         seqs: &Sequences,
         ctx: SequenceContext,
     ) -> Result<(), EngineError> {
-        let grads = gradients(seqs)?;
-        match (&mut self.collection, ctx.0) {
+        let mut grads = gradients(seqs)?;
+        let kjt = match &ctx.catalogue {
+            Some(c) => {
+                let g = c.rows.grad();
+                let g = if g.defined() {
+                    let g = g.to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]);
+                    Vec::<f32>::try_from(&g).map_err(|e| EngineError::Internal(format!("catalogue gradient: {e}")))?
+                } else {
+                    vec![0.0; c.rows.numel()]
+                };
+                grads[c.output].extend(g);
+                &c.kjt
+            }
+            None => kjt,
+        };
+        self.steps += 1;
+        match (&mut self.collection, ctx.sharded) {
             (Collection::Local(ec), _) => Ok(ec.backward_and_update(kjt, &grads)?),
             (Collection::Sharded(ec), Some(ctx)) => ec.backward_and_update(ctx, &grads).map(drop).map_err(Into::into),
             (Collection::Sharded(_), None) => {
@@ -116,8 +285,10 @@ impl SequenceTables {
         }
     }
 
-    /// Restores blocks [`Self::local_shards`] gave.
+    /// Restores blocks [`Self::local_shards`] gave (and the steps trained, from the tables'
+    /// optimizer steps).
     pub(crate) fn load_local_shards(&mut self, shards: Vec<LocalShard>) -> Result<(), EngineError> {
+        self.steps = shards.iter().map(|s| s.step_count).max().unwrap_or(0);
         match &mut self.collection {
             Collection::Local(ec) => Ok(ec.load_local_shards(shards)?),
             Collection::Sharded(ec) => Ok(ec.load_local_shards(shards)?),
@@ -171,5 +342,32 @@ fn gradients(seqs: &Sequences) -> Result<Vec<Vec<f32>>, EngineError> {
 
 /// The recipe's sequence tables as embedding table configurations.
 fn sequence_tables(recipe: &Recipe) -> Vec<EmbeddingBagConfig> {
-    crate::inputs::table_configs(recipe.tables.iter().filter(|t| crate::inputs::is_sequence(t)))
+    crate::inputs::table_configs(recipe.tables.iter().filter(|t| crate::inputs::in_collection(t)))
+}
+
+/// Each bag of `j` summed with its ids' rows weighted by their positions' weights `w`
+/// (positions past the last weight use the last): `[batch, dim]`.
+fn position_pooled(j: &JaggedEmbeddings, w: &Tensor) -> Tensor {
+    let device = j.values.device();
+    let last = w.size()[0].max(1) - 1;
+    let (mut positions, mut bags) = (Vec::with_capacity(j.values.size()[0] as usize), Vec::new());
+    for (b, &n) in j.lengths.iter().enumerate() {
+        positions.extend((0..n as i64).map(|p| p.min(last)));
+        bags.extend(std::iter::repeat_n(b as i64, n));
+    }
+    let weights = w.to_device(device).index_select(0, &Tensor::from_slice(&positions).to_device(device));
+    let rows = &j.values * weights.unsqueeze(1).to_kind(j.values.kind());
+    Tensor::zeros([j.batch_size() as i64, j.dim()], (rows.kind(), device)).index_add(
+        0,
+        &Tensor::from_slice(&bags).to_device(device),
+        &rows,
+    )
+}
+
+/// SplitMix64's finaliser: a well-mixed 64-bit value of `x`.
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

@@ -27,12 +27,15 @@ pub(crate) enum Pooled {
 pub(crate) struct SparseArch {
     pub(crate) pooled: Pooled,
     sequences: Option<SequenceTables>,
+    /// The model's pooled columns from the engine's and the position-weighted ones
+    /// ([`crate::inputs::pooled_column_order`]).
+    column_order: Option<Vec<i64>>,
 }
 
 impl SparseArch {
     /// Pooled tables that train, and the recipe's sequence tables.
     pub(crate) fn train(engine: Box<dyn EmbeddingEngine>, sequences: Option<SequenceTables>) -> Self {
-        Self { pooled: Pooled::Train(engine), sequences }
+        Self { pooled: Pooled::Train(engine), sequences, column_order: None }
     }
 
     /// The pooled tables' lookups.
@@ -103,21 +106,47 @@ impl SparseArch {
         Ok(crate::tensors::with_grad_buffer(grad, memory, |g| engine.backward_and_update(kjt, ctx, g))?)
     }
 
-    /// The batch's sequence features on `device` (gradients wanted when `train`) and what their
-    /// backward needs; none without sequence tables. Collective when they are sharded.
+    /// The batch's sequence features on `device` (gradients wanted when `train`), the catalogue
+    /// rows a model asks for (in training), and what their backward needs; none without
+    /// sequence tables. Collective when they are sharded.
     pub(crate) fn sequence_forward(
         &self,
         kjt: &KeyedJaggedTensor,
         device: tch::Device,
         train: bool,
-    ) -> Result<(Sequences, Option<SequenceContext>), EngineError> {
+        catalogue: Option<&trainrec_models::CatalogueRequest>,
+    ) -> Result<(Sequences, Option<trainrec_models::Catalogue>, Option<SequenceContext>), EngineError> {
         match &self.sequences {
             Some(s) => {
-                let (seqs, ctx) = s.forward(&*kjt.full_batch()?, device, train)?;
-                Ok((seqs, Some(ctx)))
+                let (seqs, catalogue, ctx) = s.forward(&*kjt.full_batch()?, device, train, catalogue)?;
+                Ok((seqs, catalogue, Some(ctx)))
             }
-            None => Ok((Vec::new(), None)),
+            None => Ok((Vec::new(), None, None)),
         }
+    }
+
+    /// What the model receives of a lookup: the pooled embeddings `pooled` joined with the
+    /// position-weighted features pooled from `seqs`, and the model's sequence features (the
+    /// lookup's, less the position-weighted ones).
+    pub(crate) fn model_view(&self, pooled: &Tensor, seqs: &Sequences) -> Result<(Tensor, Sequences), EngineError> {
+        let Some(s) = &self.sequences else { return Ok((pooled.shallow_clone(), Vec::new())) };
+        let (model, weighted) = s.split_weighted(seqs)?;
+        let pooled = match (weighted, &self.column_order) {
+            (Some(w), Some(order)) => {
+                let order = Tensor::from_slice(order).to_device(pooled.device());
+                Tensor::cat(&[pooled, &w.to_kind(pooled.kind())], 1).index_select(1, &order)
+            }
+            _ => pooled.shallow_clone(),
+        };
+        Ok((pooled, model))
+    }
+
+    /// Creates the position weights of the recipe's position-weighted features in `vs`.
+    pub(crate) fn attach_position_weights(&mut self, recipe: &trainrec_recipe::Recipe, vs: &tch::nn::Path) {
+        if let Some(s) = &mut self.sequences {
+            s.attach_position_weights(recipe, vs);
+        }
+        self.column_order = crate::inputs::pooled_column_order(recipe);
     }
 
     /// The sequence tables' fused backward and update from the gradients left on `seqs` (what

@@ -84,15 +84,22 @@ fn corpus_spec(job: &Job) -> Option<crate::inputs::RetrievalSpec> {
     Some(crate::inputs::RetrievalSpec { input: FeatureRef::parse(feature).input.to_owned(), rows, ks: Vec::new() })
 }
 
-/// The TorchScript export has no sequence path yet: a job with sequence tables is refused,
-/// naming the table.
+/// The TorchScript export has no sequence or position-weight path yet: a job with sequence or
+/// position-weighted tables is refused, naming the table.
 fn refuse_sequences(job: &Job) -> Result<(), EngineError> {
-    match job.recipe.tables.iter().find(|t| crate::inputs::is_sequence(t)) {
-        Some(t) => Err(EngineError::Unsupported(format!(
-            "the TorchScript export has no sequence path yet: table \"{}\" is a sequence table (pooling = \"none\"); \
-             export the checkpoint's tensors with `--format safetensors`, or score with `trainrec predict`",
-            t.name
-        ))),
+    match job.recipe.tables.iter().find(|t| crate::inputs::in_collection(t)) {
+        Some(t) => {
+            let what = if crate::inputs::is_sequence(t) {
+                "a sequence table (pooling = \"none\")"
+            } else {
+                "position-weighted (tables[].position_weighted)"
+            };
+            Err(EngineError::Unsupported(format!(
+                "the TorchScript export has no sequence or position-weight path yet: table \"{}\" is {what}; \
+                 export the checkpoint's tensors with `--format safetensors`, or score with `trainrec predict`",
+                t.name
+            )))
+        }
         None => Ok(()),
     }
 }

@@ -103,7 +103,7 @@ impl DenseModel for Din {
 }
 
 /// The dim of sequence feature `name`, or a diagnostic at `model.<key>` listing the job's.
-fn sequence_dim(key: &str, name: &str, inputs: &ModelInputs, out: &mut Vec<Diagnostic>) -> Option<usize> {
+pub(crate) fn sequence_dim(key: &str, name: &str, inputs: &ModelInputs, out: &mut Vec<Diagnostic>) -> Option<usize> {
     match inputs.sequences.iter().find(|(n, _)| n == name) {
         Some((_, d)) => Some(*d),
         None => {
@@ -230,7 +230,11 @@ mod tests {
         let hist_rows = [0.2f32, 0.4, -0.1, -0.3, 0.1, 0.6];
         let history = JaggedEmbeddings::new(Tensor::from_slice(&hist_rows).view([2, 3]), vec![2, 0]).unwrap();
         let seqs = vec![("item".to_string(), item), ("history".to_string(), history)];
-        let got = values(&model.forward_input(&ModelInput { dense: &dense, pooled: &pooled, sequences: &seqs }, false));
+        let got =
+            values(&model.forward_input(
+                &ModelInput { dense: &dense, pooled: &pooled, sequences: &seqs, catalogue: None },
+                false,
+            ));
         let f = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
         let (cands, hist) = (f(&[0.3, -0.2, 0.1, 0.0, 0.5, -0.5]), f(&hist_rows));
         let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
@@ -283,7 +287,7 @@ mod tests {
         let (dense, pooled) =
             (Tensor::zeros([1, 1], (Kind::Float, Device::Cpu)), Tensor::zeros([1, 2], (Kind::Float, Device::Cpu)));
         model
-            .forward_input(&ModelInput { dense: &dense, pooled: &pooled, sequences: &seqs }, true)
+            .forward_input(&ModelInput { dense: &dense, pooled: &pooled, sequences: &seqs, catalogue: None }, true)
             .sum(Kind::Float)
             .backward();
         for (name, g) in [("item", item.grad()), ("history", hist.grad())] {

@@ -1,5 +1,5 @@
 //! Dense model parts built with tch: the model factory trait, DLRM, DLRM-DCN, DeepFM, the
-//! two-tower model, DIN (sequence features), and dense optimizers.
+//! two-tower model, DIN and SASRec (sequence features), and dense optimizers.
 //!
 //! Embedding tables are not tch parameters: a model receives the pooled embeddings as a leaf
 //! tensor `[batch, sum(dims)]` (and a sequence feature's unpooled rows as a jagged leaf, see
@@ -12,6 +12,7 @@ pub mod dlrm;
 pub mod dlrm_dcn;
 mod mlp;
 pub mod optim;
+pub mod sasrec;
 pub mod script;
 pub mod sequence;
 pub mod two_tower;
@@ -22,7 +23,8 @@ pub use din::{Din, DinConfig};
 pub use dlrm::{Dlrm, DlrmConfig, DlrmFactory};
 pub use dlrm_dcn::{DlrmDcn, DlrmDcnConfig, DlrmDcnFactory};
 pub use optim::{DenseOptimizer, OptimStateError};
-pub use sequence::{JaggedEmbeddings, JaggedError, ModelInput};
+pub use sasrec::{SasRec, SasRecConfig};
+pub use sequence::{Catalogue, CatalogueRequest, CatalogueRows, JaggedEmbeddings, JaggedError, ModelInput};
 pub use two_tower::{TwoTower, TwoTowerConfig, TwoTowerFactory};
 
 use tch::{Tensor, nn};
@@ -104,6 +106,20 @@ pub trait DenseModel: Send {
         None
     }
 
+    /// The model as a next-item model (users scored against every row of an item table), when
+    /// it is one; the full-ranking metrics (`full_ranking`: HR@K, NDCG@K) need it.
+    fn next_item(&self) -> Option<&dyn NextItem> {
+        None
+    }
+
+    /// Rows of an item table the model reads in every training step besides the batch's own
+    /// ids (a full or sampled softmax over the catalogue): they arrive as
+    /// [`ModelInput::catalogue`] and [`LossInput::catalogue`], and their gradient joins the
+    /// table's fused update. Default: none.
+    fn catalogue(&self) -> Option<CatalogueRequest> {
+        None
+    }
+
     /// Writes the model into a TorchScript serving file (`trainrec export --format
     /// torchscript`): the method
     /// `def dense_forward(self, dense: Tensor, sparse: Tensor) -> Tensor` computing the same
@@ -131,6 +147,10 @@ pub struct LossInput<'a> {
     /// Sample weights `[batch]` when the data has them: an objective weighs each example's
     /// loss by its weight (a weighted mean).
     pub weights: Option<&'a Tensor>,
+    /// The batch's sequence features (leaves that receive their gradient).
+    pub sequences: &'a [(String, JaggedEmbeddings)],
+    /// The catalogue rows the model asked for ([`DenseModel::catalogue`]).
+    pub catalogue: Option<&'a Catalogue>,
 }
 
 /// A model that embeds queries and candidates separately, so candidates can be ranked for a
@@ -143,6 +163,23 @@ pub trait Retrieval {
     /// Candidate embeddings `[n, d]` from pooled embeddings `[n, sum(dims)]` (only the
     /// candidate features' columns are read).
     fn candidate_embeddings(&self, sparse: &Tensor) -> Tensor;
+}
+
+/// A model that predicts a user's next item among every row of an item table (SASRec): the
+/// `full_ranking` metric scores each eval example's user against every row and ranks the
+/// example's target item among them.
+pub trait NextItem {
+    /// The sequence feature whose table holds the items (its every row is a candidate).
+    fn item_feature(&self) -> &str;
+    /// The sequence feature holding each example's next item (one id), the one ranked.
+    fn target_feature(&self) -> &str;
+    /// User embeddings `[batch, d]` (eval mode) from a batch's input.
+    fn user_embeddings(&self, input: &ModelInput<'_>) -> Tensor;
+    /// Item embeddings `[n, d]` from item table rows `[n, dim]`; the default takes the rows as
+    /// they are (input and output embeddings tied).
+    fn item_embeddings(&self, rows: &Tensor) -> Tensor {
+        rows.shallow_clone()
+    }
 }
 
 /// A model with a typed config: implement this (and [`DenseModel`]) and register it with

@@ -122,8 +122,9 @@ impl JaggedEmbeddings {
     }
 }
 
-/// What a model receives of a batch: dense features, pooled embeddings, and the batch's
-/// sequence features by output name.
+/// What a model receives of a batch: dense features, pooled embeddings, the batch's
+/// sequence features by output name and, in training, the catalogue rows it asked for
+/// (`DenseModel::catalogue`).
 pub struct ModelInput<'a> {
     /// Dense features `[batch, num_dense]`.
     pub dense: &'a Tensor,
@@ -131,18 +132,54 @@ pub struct ModelInput<'a> {
     pub pooled: &'a Tensor,
     /// Per sequence feature: its name and jagged embeddings.
     pub sequences: &'a [(String, JaggedEmbeddings)],
+    /// The catalogue rows the model asked for, in a training step (`None` in evaluation and
+    /// for a model that asks for none).
+    pub catalogue: Option<&'a Catalogue>,
 }
 
 impl<'a> ModelInput<'a> {
     /// A batch without sequence features.
     pub fn pooled(dense: &'a Tensor, pooled: &'a Tensor) -> Self {
-        Self { dense, pooled, sequences: &[] }
+        Self { dense, pooled, sequences: &[], catalogue: None }
     }
 
     /// Sequence feature `name`, if the batch has it.
     pub fn sequence(&self, name: &str) -> Option<&'a JaggedEmbeddings> {
         self.sequences.iter().find(|(n, _)| n == name).map(|(_, j)| j)
     }
+}
+
+/// Which rows of an item table a model reads in each training step besides the batch's own
+/// ids (`DenseModel::catalogue`): a next-item model scores its users against them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CatalogueRows {
+    /// Every row of the table: a full softmax over the catalogue.
+    All,
+    /// This many rows drawn uniformly (with replacement) for the whole batch, the same for
+    /// every example of a rank's batch: shared sampled negatives.
+    Uniform(usize),
+}
+
+/// A model's request for catalogue rows: the rows of the table that reads sequence feature
+/// `feature`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CatalogueRequest {
+    /// A sequence feature (a feature of a `pooling = "none"` table); the rows are its table's.
+    pub feature: String,
+    /// Which rows.
+    pub rows: CatalogueRows,
+}
+
+/// Catalogue rows looked up for a training step: `rows[i]` is the embedding of row `ids[i]`.
+/// `rows` is a leaf that receives its gradient; the engine adds it to the table's fused update
+/// with the batch's other lookups of that table (one optimizer step per training step).
+#[derive(Debug)]
+pub struct Catalogue {
+    /// The table rows, `[n]` (int64, on the rows' device): `0..rows` for
+    /// [`CatalogueRows::All`].
+    pub ids: Tensor,
+    /// Their embeddings `[n, dim]`.
+    pub rows: Tensor,
 }
 
 #[cfg(test)]

@@ -456,8 +456,9 @@ impl ModelCase {
             Ok(())
         };
         let sparse_detached = sparse.detach();
-        let train_input = crate::ModelInput { dense: &dense, pooled: &sparse, sequences: &sequences };
-        let eval_input = crate::ModelInput { dense: &dense, pooled: &sparse_detached, sequences: &detached };
+        let train_input = crate::ModelInput { dense: &dense, pooled: &sparse, sequences: &sequences, catalogue: None };
+        let eval_input =
+            crate::ModelInput { dense: &dense, pooled: &sparse_detached, sequences: &detached, catalogue: None };
         let train_logits = model.forward_input(&train_input, true);
         let eval_logits = tch::no_grad(|| model.forward_input(&eval_input, false));
         if !report
@@ -471,7 +472,8 @@ impl ModelCase {
             close(&eval_logits, &again).map_err(|e| format!("two builds under one seed: {e}")),
         );
         let (dense0, sparse0) = (dense.narrow(0, 0, 1), sparse_detached.narrow(0, 0, 1));
-        let first_input = crate::ModelInput { dense: &dense0, pooled: &sparse0, sequences: &first_only };
+        let first_input =
+            crate::ModelInput { dense: &dense0, pooled: &sparse0, sequences: &first_only, catalogue: None };
         let first = tch::no_grad(|| model.forward_input(&first_input, false));
         report.check(
             "an example's eval logits do not depend on its batch",

@@ -20,6 +20,9 @@ pub use registry::{
 pub use tch;
 pub use trainrec_data::{Batch, BatchStream, DataError, FeatureSchema, Sampler, SamplerContext, Split};
 pub use trainrec_metrics::{Metric, MetricError, MetricState, TaskBatch};
-pub use trainrec_models::{DenseModel, JaggedEmbeddings, ModelError, ModelFactory, ModelInput, ModelInputs};
+pub use trainrec_models::{
+    Catalogue, CatalogueRequest, CatalogueRows, DenseModel, JaggedEmbeddings, ModelError, ModelFactory, ModelInput,
+    ModelInputs, NextItem,
+};
 pub use trainrec_sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
 pub use trainrec_types::{Diagnostic, KeyPath};

@@ -216,6 +216,7 @@ impl Registry {
             .model::<trainrec_models::DeepFm>()
             .model::<trainrec_models::TwoTower>()
             .model::<trainrec_models::Din>()
+            .model::<trainrec_models::SasRec>()
     }
 
     fn note(&mut self, kind: PluginKind, name: &'static str, taken: bool) {

@@ -350,6 +350,23 @@ pub struct TableSection {
     /// its own once admitted, keeps it while it is used, and reads zeros (no update) before.
     #[serde(default)]
     pub dynamic: Option<DynamicSection>,
+    /// Learned position weights (TorchRec's `PositionWeightedModule` in a
+    /// `FeatureProcessedEmbeddingBagCollection`): each id of a bag is weighted by a learned
+    /// weight of its position in the bag (0 for the first id) before the table sums the bag.
+    /// Each feature of the table gets its own `max_length` weights, starting at 1 and trained
+    /// by the dense optimizer. A `pooling = "sum"` table on CPU ranks.
+    #[serde(default)]
+    pub position_weighted: Option<PositionWeightedSection>,
+}
+
+/// `tables[].position_weighted`: learned per-position weights of a table's features.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PositionWeightedSection {
+    /// Positions with a weight of their own (TorchRec's `max_feature_length`). A bag's ids at
+    /// position `max_length - 1` and beyond share the last weight (TorchRec refuses a longer
+    /// bag).
+    pub max_length: usize,
 }
 
 /// `[tables.dynamic]`: a dynamic table (Monolith's collisionless tables, DeepRec's
@@ -602,6 +619,16 @@ pub enum MetricSection {
     /// own candidate is among the top `k`. Reported as `recall_at_<k>` for each `k`. Eval only.
     RecallAtK {
         /// The cut-offs, e.g. `[10, 50]`.
+        k: Vec<usize>,
+    },
+    /// Next-item hit rate and NDCG under full ranking, for models that predict a user's next
+    /// item (`sasrec`): each eval example's target item is ranked against every row of the
+    /// item table by the user's score (ties count against the target, nothing is masked), and
+    /// reported as `hr_at_<k>` (the share of targets ranked in the top `k`) and `ndcg_at_<k>`
+    /// (`1 / log2(rank + 2)` for a target in the top `k`, else 0, averaged) for each `k`.
+    /// Eval only.
+    FullRanking {
+        /// The cut-offs, e.g. `[10, 20]`.
         k: Vec<usize>,
     },
     /// Area under the precision-recall curve (TorchRec's step-wise definition), exact over

@@ -185,6 +185,11 @@ pub fn check_semantics(recipe: &Recipe, sparse_features: Option<&[String]>) -> V
         check_sequence_table(&mut out, recipe, &tables.index(t), table);
     }
     for (t, table) in recipe.tables.iter().enumerate() {
+        if let Some(pw) = &table.position_weighted {
+            check_position_weighted(&mut out, recipe, &tables.index(t), table, pw);
+        }
+    }
+    for (t, table) in recipe.tables.iter().enumerate() {
         if let Some(mc) = &table.mc {
             check_mc(&mut out, &tables, t, table, mc);
             out.extend(own_features(&tables.index(t), table, &used_by, "managed-collision"));
@@ -279,7 +284,7 @@ fn check_train_metrics_tasks(out: &mut Vec<Diagnostic>, recipe: &Recipe) {
             MetricSection::RecallSession { top_threshold: 0, .. } => {
                 out.push(Diagnostic::new(at.key("top_threshold"), "top_threshold must be at least 1"));
             }
-            MetricSection::RecallAtK { k } => {
+            MetricSection::RecallAtK { k } | MetricSection::FullRanking { k } => {
                 if k.is_empty() {
                     out.push(
                         Diagnostic::new(at.key("k"), "k needs at least one cut-off").with_help("e.g. k = [10, 50]"),
@@ -421,6 +426,70 @@ fn check_sequence_table(out: &mut Vec<Diagnostic>, recipe: &Recipe, at: &KeyPath
         out.push(
             Diagnostic::new(at.key("max_gradient"), "gradient clipping applies to pooled outputs only")
                 .with_help("drop tables[].max_gradient from the sequence table"),
+        );
+    }
+}
+
+/// The longest `tables[].position_weighted.max_length`: weights per feature, a dense parameter
+/// each rank holds whole.
+pub const MAX_POSITION_WEIGHTS: usize = 1 << 20;
+
+/// A position-weighted table (`tables[t].position_weighted`, at `at`): a summed table whose
+/// rows the job's embedding collection looks up id by id (CPU ranks, every row in memory, no
+/// id maps, no gradient clipping), with a sane number of weights.
+fn check_position_weighted(
+    out: &mut Vec<Diagnostic>,
+    recipe: &Recipe,
+    at: &KeyPath,
+    table: &crate::TableSection,
+    pw: &crate::PositionWeightedSection,
+) {
+    let key = at.key("position_weighted");
+    if pw.max_length == 0 || pw.max_length > MAX_POSITION_WEIGHTS {
+        out.push(Diagnostic::new(
+            key.key("max_length"),
+            format!("max_length = {} must be in 1..={MAX_POSITION_WEIGHTS}", pw.max_length),
+        ));
+    }
+    if table.pooling != PoolingMode::Sum {
+        out.push(
+            Diagnostic::new(
+                key.clone(),
+                format!("position weights need sum pooling; the table pools by {:?}", table.pooling),
+            )
+            .with_help("set pooling = \"sum\" (TorchRec's feature-processed bags sum the weighted rows)"),
+        );
+    }
+    let help = "position-weighted tables train on CPU ranks, with every row in memory";
+    if recipe.topology.compute_device == trainrec_types::ComputeDevice::Cuda {
+        out.push(
+            Diagnostic::new(key.clone(), "position weights have no CUDA path yet (topology.compute_device = \"cuda\")")
+                .with_help(help),
+        );
+    }
+    let c = &table.constraints;
+    let cached = c.compute_kernels.as_ref().is_some_and(|k| k.iter().all(|k| k.cache_backing().is_some()));
+    if c.cache.is_some() || cached {
+        out.push(
+            Diagnostic::new(
+                at.key("constraints"),
+                "a position-weighted table keeps every row in memory: it has no cache",
+            )
+            .with_help(help),
+        );
+    }
+    for (name, set) in [("mc", table.mc.is_some()), ("dynamic", table.dynamic.is_some())] {
+        if set {
+            out.push(
+                Diagnostic::new(at.key(name), format!("a position-weighted table takes no tables[].{name} yet"))
+                    .with_help("drop one of the two"),
+            );
+        }
+    }
+    if table.max_gradient.is_some() {
+        out.push(
+            Diagnostic::new(at.key("max_gradient"), "gradient clipping applies to the pooled engine's tables only")
+                .with_help("drop tables[].max_gradient from the position-weighted table"),
         );
     }
 }

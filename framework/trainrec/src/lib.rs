@@ -28,7 +28,10 @@ pub mod prelude {
     pub use trainrec_data::{Batch, DataError, FeatureSchema, Sampler, SamplerContext, Split};
     pub use trainrec_engine::Job;
     pub use trainrec_metrics::{Metric, MetricError, TaskBatch};
-    pub use trainrec_models::{DenseModel, JaggedEmbeddings, ModelFactory, ModelInput, ModelInputs};
+    pub use trainrec_models::{
+        Catalogue, CatalogueRequest, CatalogueRows, DenseModel, JaggedEmbeddings, ModelFactory, ModelInput,
+        ModelInputs, NextItem,
+    };
     pub use trainrec_plugin::{Registry, TypedMetric, TypedModel, TypedSampler};
     pub use trainrec_recipe::{LoadOptions, Recipe};
     pub use trainrec_sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
