@@ -20,6 +20,7 @@ use trainrec::plugin::tch::{Kind, Tensor, nn, nn::Module};
 use trainrec::plugin::{Diagnostic, ModelError};
 use trainrec::prelude::*;
 use trainrec::recipe::LoadOptions;
+use trainrec_tests::slice_batch as slice;
 
 /// No options.
 #[derive(Clone, Debug, Deserialize, JsonSchema)]
@@ -178,29 +179,6 @@ fn build_rank(path: &Path, overrides: &[String], pg: Option<Arc<dyn ProcessGroup
     let options = LoadOptions { overrides: overrides.to_vec(), env: false };
     let (loaded, features) = load_and_check(path, &options, &registry()).unwrap_or_else(|d| panic!("{d}"));
     Job::build_rank(&loaded, &features, &registry(), pg).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Examples `lo..hi` of a one-label batch without weights or groups.
-fn slice(b: &Batch, lo: usize, hi: usize) -> Batch {
-    let keys = b.sparse.keys().to_vec();
-    let (mut values, mut lengths) = (Vec::new(), Vec::new());
-    for k in 0..keys.len() {
-        let f = b.sparse.feature(k);
-        for i in lo..hi {
-            values.extend_from_slice(f.bag(i));
-            lengths.push(f.bag(i).len() as u32);
-        }
-    }
-    let n = hi - lo;
-    Batch {
-        dense: b.dense[lo * b.num_dense..hi * b.num_dense].to_vec(),
-        num_dense: b.num_dense,
-        sparse: KeyedJaggedTensor::new(keys, values, None, lengths, n).unwrap(),
-        labels: b.labels[lo..hi].to_vec(),
-        batch_size: n,
-        groups: None,
-        weights: None,
-    }
 }
 
 fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {

@@ -24,19 +24,8 @@ use trainrec::engine::load_and_check;
 use trainrec::recipe::LoadOptions;
 use trainrec::sparse::KeyedJaggedTensor;
 use trainrec::{Job, Registry};
-
-#[derive(Deserialize)]
-struct Param {
-    values: Vec<f32>,
-}
-
-#[derive(Clone, Deserialize)]
-struct FixtureBatch {
-    dense: Vec<f32>,
-    lengths: Vec<u32>,
-    values: Vec<i64>,
-    labels: Vec<f32>,
-}
+use trainrec_tests::slice_batch as slice;
+use trainrec_tests::{FixtureBatch, FixtureParam};
 
 #[derive(Deserialize)]
 struct Table {
@@ -57,7 +46,7 @@ struct Fixture {
     num_dense: usize,
     batch: usize,
     table_weights: BTreeMap<String, Vec<f32>>,
-    params: BTreeMap<String, Param>,
+    params: BTreeMap<String, FixtureParam>,
     batches: Vec<FixtureBatch>,
     losses: Vec<f64>,
 }
@@ -200,29 +189,6 @@ fn din_trains_as_the_reference_with_adam() {
     check_trajectory("din_adam.json");
 }
 
-/// Examples `lo..hi` of a batch.
-fn slice(b: &Batch, lo: usize, hi: usize) -> Batch {
-    let keys = b.sparse.keys().to_vec();
-    let (mut values, mut lengths) = (Vec::new(), Vec::new());
-    for k in 0..keys.len() {
-        let f = b.sparse.feature(k);
-        for i in lo..hi {
-            values.extend_from_slice(f.bag(i));
-            lengths.push(f.bag(i).len() as u32);
-        }
-    }
-    let n = hi - lo;
-    Batch {
-        dense: b.dense[lo * b.num_dense..hi * b.num_dense].to_vec(),
-        num_dense: b.num_dense,
-        sparse: KeyedJaggedTensor::new(keys, values, None, lengths, n).unwrap(),
-        labels: b.labels[lo..hi].to_vec(),
-        batch_size: n,
-        groups: None,
-        weights: None,
-    }
-}
-
 /// Joins batches `a` and `b` (the same keys) into one.
 fn concat(parts: &[Batch]) -> Batch {
     let keys = parts[0].sparse.keys().to_vec();
@@ -305,11 +271,6 @@ fn sasrec_sharded_over_ranks_trains_as_one_rank() {
     }
 }
 
-#[derive(Deserialize)]
-struct ShapedParam {
-    values: Vec<f32>,
-}
-
 /// The position-weighted fixture (`scripts/anchors/position_weighted_fixture.py`).
 #[derive(Deserialize)]
 struct PositionWeightedFixture {
@@ -321,10 +282,10 @@ struct PositionWeightedFixture {
     lr: f64,
     keys: Vec<String>,
     position_weighted: BTreeMap<String, usize>,
-    params: BTreeMap<String, ShapedParam>,
+    params: BTreeMap<String, FixtureParam>,
     batches: Vec<FixtureBatch>,
     losses: Vec<f64>,
-    final_params: BTreeMap<String, ShapedParam>,
+    final_params: BTreeMap<String, FixtureParam>,
 }
 
 /// TorchRec's position-weighted features (a `FeatureProcessedEmbeddingBagCollection` with a

@@ -57,3 +57,48 @@ pub fn shared_data(relative: &str) -> Option<PathBuf> {
     eprintln!("skipping: {} not found (the shared datasets are not part of a clone)", path.display());
     None
 }
+
+/// Examples `lo..hi` of a one-label batch without weights or groups (a rank's slice of a
+/// global batch).
+pub fn slice_batch(b: &trainrec::data::Batch, lo: usize, hi: usize) -> trainrec::data::Batch {
+    let keys = b.sparse.keys().to_vec();
+    let (mut values, mut lengths) = (Vec::new(), Vec::new());
+    for k in 0..keys.len() {
+        let f = b.sparse.feature(k);
+        for i in lo..hi {
+            values.extend_from_slice(f.bag(i));
+            lengths.push(f.bag(i).len() as u32);
+        }
+    }
+    let n = hi - lo;
+    trainrec::data::Batch {
+        dense: b.dense[lo * b.num_dense..hi * b.num_dense].to_vec(),
+        num_dense: b.num_dense,
+        sparse: trainrec::sparse::KeyedJaggedTensor::new(keys, values, None, lengths, n).unwrap(),
+        labels: b.labels[lo..hi].to_vec(),
+        batch_size: n,
+        groups: None,
+        weights: None,
+    }
+}
+
+/// A parameter of a fixture made by an anchor script (`scripts/anchors/`): its values,
+/// row-major.
+#[derive(serde::Deserialize)]
+pub struct FixtureParam {
+    /// The values, row-major.
+    pub values: Vec<f32>,
+}
+
+/// A batch of a trajectory fixture: dense features, key-major bag lengths and ids, labels.
+#[derive(Clone, serde::Deserialize)]
+pub struct FixtureBatch {
+    /// `[batch * num_dense]` dense features.
+    pub dense: Vec<f32>,
+    /// Bag lengths, key-major (`keys * batch`).
+    pub lengths: Vec<u32>,
+    /// The ids, key by key.
+    pub values: Vec<i64>,
+    /// One label per example.
+    pub labels: Vec<f32>,
+}

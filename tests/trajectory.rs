@@ -14,19 +14,7 @@ use trainrec::engine::load_and_check;
 use trainrec::recipe::LoadOptions;
 use trainrec::sparse::KeyedJaggedTensor;
 use trainrec::{Job, Registry};
-
-#[derive(Deserialize)]
-struct Param {
-    values: Vec<f32>,
-}
-
-#[derive(Deserialize)]
-struct FixtureBatch {
-    dense: Vec<f32>,
-    lengths: Vec<u32>,
-    values: Vec<i64>,
-    labels: Vec<f32>,
-}
+use trainrec_tests::{FixtureBatch, FixtureParam};
 
 #[derive(Deserialize)]
 struct Fixture {
@@ -37,7 +25,7 @@ struct Fixture {
     batch: usize,
     lr: f64,
     keys: Vec<String>,
-    params: BTreeMap<String, Param>,
+    params: BTreeMap<String, FixtureParam>,
     batches: Vec<FixtureBatch>,
     losses: Vec<f64>,
     /// The same training with the forward under `torch.autocast("cpu", dtype=torch.bfloat16)`.

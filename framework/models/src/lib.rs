@@ -165,6 +165,19 @@ pub trait Retrieval {
     fn candidate_embeddings(&self, sparse: &Tensor) -> Tensor;
 }
 
+impl<'a> LossInput<'a> {
+    /// A batch without sequence features or catalogue rows.
+    pub fn pooled(
+        dense: &'a Tensor,
+        sparse: &'a Tensor,
+        labels: &'a Tensor,
+        ids: &'a trainrec_sparse::KeyedJaggedTensor,
+        weights: Option<&'a Tensor>,
+    ) -> Self {
+        Self { dense, sparse, labels, ids, weights, sequences: &[], catalogue: None }
+    }
+}
+
 /// A model that predicts a user's next item among every row of an item table (SASRec): the
 /// `full_ranking` metric scores each eval example's user against every row and ranks the
 /// example's target item among them.

@@ -415,17 +415,7 @@ mod tests {
         let labels = Tensor::from_slice(&[1.0f32, 0.0, 1.0]).view([3, 1]);
         let dense = Tensor::zeros([3, 0], (Kind::Float, tch::Device::Cpu));
         let ids = kjt(&[10, 11, 12]);
-        let loss = m
-            .loss(&LossInput {
-                dense: &dense,
-                sparse: &sparse,
-                labels: &labels,
-                ids: &ids,
-                weights: None,
-                sequences: &[],
-                catalogue: None,
-            })
-            .unwrap();
+        let loss = m.loss(&LossInput::pooled(&dense, &sparse, &labels, &ids, None)).unwrap();
         // Positives: q0 = (1,0), c0 = (1,1); q2 = (0,2), c2 = (0.5,0). Logits / 0.5:
         // row 0: [1, 0.5] / 0.5 = [2, 1]; row 1: [2, 0] / 0.5 = [4, 0].
         let ce = |row: [f64; 2], t: usize| -(row[t] - (row[0].exp() + row[1].exp()).ln());
@@ -433,15 +423,7 @@ mod tests {
         assert!((loss.double_value(&[]) - want).abs() < 1e-6, "{} vs {want}", loss.double_value(&[]));
         // Sample weights 3, 7 (a negative: unused), 1: the positives' weighted mean.
         let w = Tensor::from_slice(&[3.0f32, 7.0, 1.0]);
-        let input = LossInput {
-            dense: &dense,
-            sparse: &sparse,
-            labels: &labels,
-            ids: &ids,
-            weights: Some(&w),
-            sequences: &[],
-            catalogue: None,
-        };
+        let input = LossInput::pooled(&dense, &sparse, &labels, &ids, Some(&w));
         let weighted = m.loss(&input).unwrap().double_value(&[]);
         let want = (3.0 * ce([2.0, 1.0], 0) + ce([4.0, 0.0], 1)) / 4.0;
         assert!((weighted - want).abs() < 1e-6, "{weighted} vs {want}");
@@ -461,17 +443,7 @@ mod tests {
         let dense = Tensor::zeros([2, 0], (Kind::Float, tch::Device::Cpu));
         // The same item twice: each row's only unmasked logit is its own, so the loss is 0.
         let ids = kjt(&[7, 7]);
-        let loss = m
-            .loss(&LossInput {
-                dense: &dense,
-                sparse: &sparse,
-                labels: &labels,
-                ids: &ids,
-                weights: None,
-                sequences: &[],
-                catalogue: None,
-            })
-            .unwrap();
+        let loss = m.loss(&LossInput::pooled(&dense, &sparse, &labels, &ids, None)).unwrap();
         assert!(loss.double_value(&[]).abs() < 1e-6);
 
         // Frequency estimate by hand (alpha 0.5): item a at steps 1, 2, 3; item b at step 3.
