@@ -396,3 +396,35 @@ fn position_weighted_features_train_as_torchrecs_feature_processed_bags() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// SASRec's sampled negatives come from the run's seed, the rank and the steps trained, so a
+/// job loaded from a checkpoint draws what the uninterrupted run drew after it: both end with
+/// the same item table.
+#[test]
+fn sampled_negatives_go_on_after_a_checkpoint_as_without_one() {
+    let fx = load("sasrec_adam.json");
+    let dir = tmp("sampled-resume");
+    let path = recipe(&fx, &dir, "checkpoint_every = 10\n");
+    let overrides: Vec<String> =
+        ["model.loss=\"sampled_softmax\"", "model.negatives=7", "train.steps=20"].map(String::from).to_vec();
+    let mut whole = job(&fx, &path, &overrides, None);
+    let summary = whole.run().unwrap();
+    assert_eq!(summary.steps, 20);
+    let want = whole.table_weights("items").unwrap().unwrap();
+    let ck = trainrec::engine::checkpoint::Checkpoint::open(&summary.output_dir.join("checkpoints/step-00000010"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut resumed = job(&fx, &path, &overrides, None);
+    resumed.load_checkpoint(&ck).unwrap();
+    let batches: Vec<Batch> = resumed
+        .batches(trainrec::data::Split::Train, fx.batch)
+        .unwrap()
+        .skip(10)
+        .take(10)
+        .map(Result::unwrap)
+        .collect();
+    for b in &batches {
+        resumed.train_step(b).unwrap();
+    }
+    assert_eq!(resumed.table_weights("items").unwrap().unwrap(), want, "the resumed job drew other negatives");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
