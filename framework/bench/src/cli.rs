@@ -22,6 +22,11 @@ pub enum BenchCommand {
     /// Pooled embedding bag train step (forward + fused backward/update), the flags of the
     /// FBGEMM script it is compared with.
     Ebc(EbcArgs),
+    /// Unpooled (sequence) embedding train step: the `ebc` benchmark's tables and ids looked
+    /// up one row per id (TorchRec's `EmbeddingCollection`), forward + fused backward/update
+    /// (the workload of `scripts/anchors/w1_ec_train.py`). CPU only; no `--mc-interval` or
+    /// `--quant`.
+    Ec(EbcArgs),
     /// NE and AUC update + compute over `--n` predictions.
     Metrics(MetricsArgs),
     /// Sharding planner wall time and plan quality on a table set (the flags and JSON keys of
@@ -606,6 +611,12 @@ pub fn run(which: BenchCommand) -> ExitCode {
             };
             print_bench(crate::data::bench_readers(&options).map(|r| r.to_json()))
         }
+        BenchCommand::Ec(args) => match args.device {
+            ComputeDevice::Cpu => print_bench(crate::embedding::run_ec(&args.bench())),
+            ComputeDevice::Cuda => print_bench::<String, String>(Err(
+                "bench ec: the embedding collection has no CUDA path yet (sequence tables train on CPU ranks)".into(),
+            )),
+        },
         BenchCommand::Ebc(args) => match args.device {
             ComputeDevice::Cpu => print_bench(crate::embedding::run(&args.bench())),
             ComputeDevice::Cuda => print_bench(crate::cuda::run(&args.bench(), args.gpu)),

@@ -2,7 +2,9 @@
 //! fields as `bench/anchors/w1_ebc_train.py`, so both can run side by side.
 //!
 //! One step = pooled forward of `tables` sum-pooled tables (one feature each, exactly
-//! `pooling` ids per bag) + fused backward/update with a fixed random gradient.
+//! `pooling` ids per bag) + fused backward/update with a fixed random gradient. `trainrec bench
+//! ec` ([`run_ec`]) times the same tables and ids unpooled (one row per id, TorchRec's
+//! `EmbeddingCollection`), against `scripts/anchors/w1_ec_train.py`.
 
 use std::time::Instant;
 
@@ -268,6 +270,91 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
         out["build_s"] = json!(build_s);
         out["mc"] = json!(mc);
         out["quant"] = json!(quant);
+        out["env"] = json!({"threads": threads, "others_busy_cores_timed": [busy_step, busy_fwd]});
+        Ok(out)
+    })
+}
+
+/// The unpooled step's (`trainrec bench ec`) least bytes: the forward reads each looked-up row
+/// and its id and writes the row out; the update reads the per-id gradient and each id again,
+/// and reads and writes each unique row and its optimizer state.
+pub fn min_bytes_unpooled(a: &EbcBench, uniq: f64) -> (f64, f64, f64, f64) {
+    let (t, b, l, d) = (a.tables as f64, a.batch as f64, a.pooling as f64, a.dim as f64);
+    let lookups = t * b * l;
+    let uniq_rows = uniq * t;
+    let spr = a.optimizer.state_per_row(a.dim) as f64;
+    let bytes_fwd = 2.0 * lookups * d * 4.0 + lookups * 8.0;
+    let bytes_bwd = uniq_rows * (2.0 * d * 4.0 + 2.0 * 4.0 * spr) + lookups * d * 4.0 + lookups * 8.0;
+    (lookups, uniq_rows, bytes_fwd, bytes_bwd)
+}
+
+/// Runs the unpooled benchmark (`trainrec bench ec`, the workload of
+/// `scripts/anchors/w1_ec_train.py`): one step = the [`EmbeddingCollection`]'s per-id forward of
+/// the same tables and ids as W1 + its fused backward/update with a fixed random gradient of
+/// every looked-up row.
+///
+/// [`EmbeddingCollection`]: trainrec_embedding::EmbeddingCollection
+pub fn run_ec(a: &EbcBench) -> Result<Value, EmbeddingError> {
+    check(a)?;
+    if a.mc_interval.is_some() || a.quant {
+        return Err(EmbeddingError::Config("bench ec times the plain step: no --mc-interval or --quant".into()));
+    }
+    let threads = if a.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.threads };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| EmbeddingError::Config(format!("cannot start {threads} threads: {e}")))?;
+    pool.install(|| {
+        let mut rng = StdRng::seed_from_u64(a.seed);
+        tracing::info!("generating {} batches", a.num_batches);
+        let (batches, uniq) = make_batches(a, &mut rng);
+        let per_table = a.batch * a.pooling * a.dim;
+        let grads: Vec<Vec<f32>> =
+            (0..a.tables).map(|_| (0..per_table).map(|_| StandardNormal.sample(&mut rng)).collect()).collect();
+        let t0 = Instant::now();
+        let configs = (0..a.tables)
+            .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::None, &[&format!("f{t}")]))
+            .collect();
+        let mut ec = trainrec_embedding::EmbeddingCollection::new(configs, a.optimizer.clone(), a.seed)?;
+        let build_s = t0.elapsed().as_secs_f64();
+        let mut it = 0usize;
+        let mut step = |ec: &mut trainrec_embedding::EmbeddingCollection| -> Result<(), EmbeddingError> {
+            let kjt = &batches[it % batches.len()];
+            it += 1;
+            std::hint::black_box(ec.forward(kjt)?.values);
+            ec.backward_and_update(kjt, &grads)
+        };
+        for _ in 0..a.warmup {
+            step(&mut ec)?;
+        }
+        let c0 = cpu_snapshot();
+        let mut ts = Vec::with_capacity(a.steps);
+        for _ in 0..a.steps {
+            let t = Instant::now();
+            step(&mut ec)?;
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        let busy_step = others_busy(c0, cpu_snapshot());
+        let (mut fwd, c1) = (Vec::new(), cpu_snapshot());
+        for _ in 0..a.fwd_steps {
+            let kjt = &batches[it % batches.len()];
+            it += 1;
+            let t = Instant::now();
+            std::hint::black_box(ec.forward(kjt)?.values);
+            fwd.push(t.elapsed().as_secs_f64());
+        }
+        let busy_fwd = if a.fwd_steps > 0 { others_busy(c1, cpu_snapshot()) } else { Value::Null };
+        let mut out = results(a, "trainrec", &ts, &fwd, uniq);
+        // The unpooled step's bytes, in place of the pooled ones.
+        let (_, _, bytes_fwd, bytes_bwd) = min_bytes_unpooled(a, uniq);
+        let median = |s: &Value| s["median_s"].as_f64().unwrap_or(f64::NAN);
+        out["workload"] = json!("w1_ec_fused_train");
+        out["min_bytes_per_step"] = json!(bytes_fwd + bytes_bwd);
+        out["implied_GBps_at_median"] = json!((bytes_fwd + bytes_bwd) / median(&out["step"]) / 1e9);
+        out["fwd_implied_GBps_at_median"] =
+            if fwd.is_empty() { Value::Null } else { json!(bytes_fwd / median(&out["fwd_only"]) / 1e9) };
+        out["config"]["threads"] = json!(threads);
+        out["build_s"] = json!(build_s);
         out["env"] = json!({"threads": threads, "others_busy_cores_timed": [busy_step, busy_fwd]});
         Ok(out)
     })

@@ -121,6 +121,29 @@ fn bench_ebc_prints_one_json_line_with_the_anchor_fields() {
 }
 
 #[test]
+fn bench_ec_prints_the_unpooled_step_as_one_json_line() {
+    let args = ["--tables", "2", "--rows", "5000", "--dim", "12", "--pooling", "3", "--batch", "64", "--steps", "3"];
+    let (code, stdout, stderr) =
+        trainrec(&[&["bench", "ec"][..], &args, &["--warmup", "1", "--fwd-steps", "2"]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout.lines().count(), 1, "exactly one line on stdout: {stdout}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+    assert_eq!(v["workload"], "w1_ec_fused_train");
+    assert!(v["step"]["median_s"].as_f64().unwrap() > 0.0);
+    assert!(v["fwd_only"]["median_s"].as_f64().unwrap() > 0.0);
+    // Unpooled: the forward writes a row per id (2 x 64 x 3 lookups of 12 floats), more than
+    // the pooled W1's output of a row per bag.
+    let (lookups, d) = (2.0 * 64.0 * 3.0, 12.0);
+    assert!(v["min_bytes_per_step"].as_f64().unwrap() > 3.0 * lookups * d * 4.0, "{v}");
+    let (code, _, stderr) = trainrec(&[&["bench", "ec"][..], &args, &["--device", "cuda"]].concat());
+    assert_eq!(code, 2);
+    assert!(stderr.contains("no CUDA path"), "{stderr}");
+    let (code, _, stderr) = trainrec(&[&["bench", "ec"][..], &args, &["--quant"]].concat());
+    assert_eq!(code, 2);
+    assert!(stderr.contains("no --mc-interval or --quant"), "{stderr}");
+}
+
+#[test]
 fn bench_metrics_prints_the_w4_shape() {
     let (code, stdout, stderr) = trainrec(&["bench", "metrics", "--n", "20000", "--batch", "512", "--repeats", "2"]);
     assert_eq!(code, 0, "{stderr}");
