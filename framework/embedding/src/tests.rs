@@ -807,6 +807,21 @@ fn sequence_collection_gathers_and_updates_per_id() {
 }
 
 #[test]
+fn a_reused_lookup_buffer_holds_the_new_batch_whatever_it_held() {
+    let configs = vec![table("a", 4, 2, PoolingMode::Sum, &["x"]), table("b", 3, 3, PoolingMode::Sum, &["y"])];
+    let ec = EmbeddingCollection::new(configs, SGD, 0).unwrap();
+    let long = kjt(&["x", "y"], vec![3, 2, 1, 0, 2, 1, 0, 2], None, vec![3, 1, 2, 2], 2);
+    let short = kjt(&["x", "y"], vec![1, 2], None, vec![1, 0, 0, 1], 2);
+    let mut out = ec.forward(&long).unwrap();
+    // Shorter, then longer again: the buffers shrink and grow with the batch.
+    for input in [&short, &long, &short] {
+        ec.forward_into(input, &mut out).unwrap();
+        assert_eq!(out, ec.forward(input).unwrap());
+    }
+    assert_eq!(out.values[0].len(), 2);
+}
+
+#[test]
 fn sequence_collection_ignores_id_weights_forward_and_backward() {
     let configs = || vec![table("a", 4, 2, PoolingMode::Sum, &["x"])];
     let plain = kjt(&["x"], vec![2, 0, 2], None, vec![2, 1], 2);
