@@ -18,6 +18,7 @@ use crate::error::EngineError;
 use crate::inputs::{NextItemSpec, RetrievalSpec, expand_vbe};
 use crate::job::Job;
 use crate::pipeline::tensors;
+use crate::sequence_tables::Sequences;
 
 /// The metrics on training batches: one suite per task when `train.metrics_every` asks for
 /// them, and TorchRec's throughput metric (examples per second after 100 warm-up steps).
@@ -228,15 +229,21 @@ impl Job {
         self.recipe.data.eval_batch_size.unwrap_or(self.recipe.data.batch_size)
     }
 
-    /// The model's eval-mode logits `[batch, tasks]` in fp32 (on the model's device), the
-    /// matrix products in `train.dense_precision`, from the batch's dense features, pooled
-    /// embeddings and sequence features.
-    fn eval_logits(&self, dense: &Tensor, sparse: &Tensor, batch: &Batch) -> Result<Tensor, EngineError> {
+    /// What the model sees of an eval batch besides its dense features: the pooled embeddings
+    /// `sparse` with the position-weighted features joined, and the sequence features (a
+    /// lookup, collective when the tables are sharded).
+    fn eval_view(&self, sparse: &Tensor, batch: &Batch) -> Result<(Tensor, Sequences), EngineError> {
         let (sequences, _, _) = self.sparse.sequence_forward(&batch.sparse, self.layout.device, false, None)?;
-        let (pooled, sequences) = self.sparse.model_view(sparse, &sequences)?;
-        let input = trainrec_models::ModelInput { dense, pooled: &pooled, sequences: &sequences, catalogue: None };
-        Ok(Autocast::run(self.layout.precision, self.layout.device, || self.model.forward_input(&input, false))
-            .to_kind(Kind::Float))
+        self.sparse.model_view(sparse, &sequences)
+    }
+
+    /// The model's eval-mode logits `[batch, tasks]` in fp32 (on the model's device), the
+    /// matrix products in `train.dense_precision`, from a batch's dense features and
+    /// [`Job::eval_view`].
+    fn eval_logits(&self, dense: &Tensor, (pooled, sequences): &(Tensor, Sequences)) -> Tensor {
+        let input = trainrec_models::ModelInput { dense, pooled, sequences, catalogue: None };
+        Autocast::run(self.layout.precision, self.layout.device, || self.model.forward_input(&input, false))
+            .to_kind(Kind::Float)
     }
 
     /// The model's logits `[batch, tasks]` (fp32, on the CPU) for one batch of one rank's job,
@@ -248,7 +255,8 @@ impl Job {
         }
         let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
         let (dense, sparse, _, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
-        Ok(tch::no_grad(|| self.eval_logits(&dense, &sparse, &batch))?.to_device(Device::Cpu))
+        let view = self.eval_view(&sparse, &batch)?;
+        Ok(tch::no_grad(|| self.eval_logits(&dense, &view)).to_device(Device::Cpu))
     }
 
     /// Evaluates on the eval split; returns the metrics by name (`<metric>-<task>` when the
@@ -295,7 +303,8 @@ impl Job {
             };
             let staged = self.mc.stage_eval(&self.sparse, &batch.sparse)?;
             let (dense, sparse, labels, _) = tensors(&self.layout, &self.sparse, &batch, staged)?;
-            let probs = tch::no_grad(|| self.eval_logits(&dense, &sparse, &batch))?.sigmoid().to_device(Device::Cpu);
+            let view = self.eval_view(&sparse, &batch)?;
+            let probs = tch::no_grad(|| self.eval_logits(&dense, &view)).sigmoid().to_device(Device::Cpu);
             let probs: Vec<f32> = Vec::try_from(&probs.contiguous().view([-1]))
                 .map_err(|e| EngineError::Internal(format!("predictions: {e}")))?;
             seen += self.feed_all_ranks(&mut suites, &probs, &batch)? as u64;
@@ -305,7 +314,7 @@ impl Job {
                 recall.update(retrieval, &dense, &sparse, &labels, &batch)?;
             }
             if let Some(ranking) = &mut ranking {
-                let users = self.user_embeddings(&dense, &sparse, &batch)?;
+                let users = self.user_embeddings(&dense, &view)?;
                 ranking.update(&users, &batch)?;
             }
         }
@@ -348,12 +357,15 @@ impl Job {
         }))
     }
 
-    /// The next-item model's user embeddings `[batch, d]` for an eval batch (fp32).
-    fn user_embeddings(&self, dense: &Tensor, sparse: &Tensor, batch: &Batch) -> Result<Tensor, EngineError> {
+    /// The next-item model's user embeddings `[batch, d]` for an eval batch (fp32), from its
+    /// dense features and [`Job::eval_view`].
+    fn user_embeddings(
+        &self,
+        dense: &Tensor,
+        (pooled, sequences): &(Tensor, Sequences),
+    ) -> Result<Tensor, EngineError> {
         let next = self.model.next_item().ok_or_else(|| EngineError::Internal("next-item model vanished".into()))?;
-        let (sequences, _, _) = self.sparse.sequence_forward(&batch.sparse, self.layout.device, false, None)?;
-        let (pooled, sequences) = self.sparse.model_view(sparse, &sequences)?;
-        let input = trainrec_models::ModelInput { dense, pooled: &pooled, sequences: &sequences, catalogue: None };
+        let input = trainrec_models::ModelInput { dense, pooled, sequences, catalogue: None };
         Ok(tch::no_grad(|| {
             Autocast::run(self.layout.precision, self.layout.device, || next.user_embeddings(&input))
                 .to_kind(Kind::Float)

@@ -33,8 +33,7 @@ enum Collection {
 /// The recipe's sequence tables.
 pub(crate) struct SequenceTables {
     collection: Collection,
-    names: Vec<String>,
-    /// (table, rows, features) of each table, for catalogue lookups.
+    /// (table, rows, features) of each table.
     tables: Vec<(String, u64, Vec<String>)>,
     /// Sampled catalogue rows come from this seed, the rank and the steps trained so far.
     seed: u64,
@@ -74,7 +73,6 @@ impl SequenceTables {
         if tables.is_empty() {
             return Ok(None);
         }
-        let names = tables.iter().map(|t| t.name.clone()).collect();
         let catalogue = tables.iter().map(|t| (t.name.clone(), t.rows, t.features.clone())).collect();
         let (seed, optimizer) = (recipe.run.seed ^ SEED_OFFSET, recipe.optimizer.sparse.clone());
         let rank = pg.as_ref().map_or(0, |pg| pg.rank() as u64);
@@ -89,7 +87,7 @@ impl SequenceTables {
                 Collection::Local(Box::new(ec))
             }
         };
-        Ok(Some(Self { collection, names, tables: catalogue, seed, rank, steps: 0, weighted: Vec::new() }))
+        Ok(Some(Self { collection, tables: catalogue, seed, rank, steps: 0, weighted: Vec::new() }))
     }
 
     /// Creates the position weights of the recipe's position-weighted features in `vs` (at
@@ -206,33 +204,23 @@ impl SequenceTables {
         let (keys, values, lengths) = (kjt.keys(), kjt.values(), kjt.lengths());
         let mut new_values = Vec::with_capacity(values.len() + ids.len());
         let mut new_lengths = Vec::with_capacity(lengths.len() + keys.len());
+        let mut weights = kjt.weights().map(|w| (w, Vec::with_capacity(values.len() + ids.len())));
         let mut at = 0usize;
         for (k, key) in keys.iter().enumerate() {
             let bags = &lengths[k * b..(k + 1) * b];
             let n: usize = bags.iter().map(|&l| l as usize).sum();
+            let extra = if key == input { ids.as_slice() } else { &[] };
             new_values.extend_from_slice(&values[at..at + n]);
+            new_values.extend_from_slice(extra);
             new_lengths.extend_from_slice(bags);
-            at += n;
-            if key == input {
-                new_values.extend_from_slice(&ids);
-                new_lengths.push(ids.len() as u32);
-            } else {
-                new_lengths.push(0);
-            }
-        }
-        let weights = kjt.weights().map(|w| {
-            let mut out = Vec::with_capacity(new_values.len());
-            let mut at = 0usize;
-            for (k, key) in keys.iter().enumerate() {
-                let n: usize = lengths[k * b..(k + 1) * b].iter().map(|&l| l as usize).sum();
+            new_lengths.push(extra.len() as u32);
+            if let Some((w, out)) = &mut weights {
                 out.extend_from_slice(&w[at..at + n]);
-                at += n;
-                if key == input {
-                    out.extend(std::iter::repeat_n(1.0, ids.len()));
-                }
+                out.extend(std::iter::repeat_n(1.0, extra.len()));
             }
-            out
-        });
+            at += n;
+        }
+        let weights = weights.map(|(_, out)| out);
         let extended = KeyedJaggedTensor::new(keys.to_vec(), new_values, weights, new_lengths, b + 1)
             .map_err(|e| EngineError::Data(e.into()))?;
         Ok((extended, request.feature.clone(), ids))
@@ -247,17 +235,10 @@ impl SequenceTables {
         seqs: &Sequences,
         ctx: SequenceContext,
     ) -> Result<(), EngineError> {
-        let mut grads = gradients(seqs)?;
+        let mut grads = seqs.iter().map(|(name, j)| gradient(&j.values, name)).collect::<Result<Vec<_>, _>>()?;
         let kjt = match &ctx.catalogue {
             Some(c) => {
-                let g = c.rows.grad();
-                let g = if g.defined() {
-                    let g = g.to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]);
-                    Vec::<f32>::try_from(&g).map_err(|e| EngineError::Internal(format!("catalogue gradient: {e}")))?
-                } else {
-                    vec![0.0; c.rows.numel()]
-                };
-                grads[c.output].extend(g);
+                grads[c.output].extend(gradient(&c.rows, "the catalogue")?);
                 &c.kjt
             }
             None => kjt,
@@ -274,7 +255,7 @@ impl SequenceTables {
 
     /// Whether `table` is one of these tables.
     pub(crate) fn has_table(&self, table: &str) -> bool {
-        self.names.iter().any(|n| n == table)
+        self.tables.iter().any(|(n, _, _)| n == table)
     }
 
     /// This rank's blocks of every table (whole tables on one rank), as checkpoint blocks.
@@ -325,19 +306,15 @@ fn jagged(out: SequenceEmbeddings, device: Device, train: bool) -> Result<Sequen
     Ok(seqs)
 }
 
-/// The gradients the dense backward left on `seqs`, per feature (zeros where it left none).
-fn gradients(seqs: &Sequences) -> Result<Vec<Vec<f32>>, EngineError> {
-    let mut grads = Vec::with_capacity(seqs.len());
-    for (name, j) in seqs {
-        let g = j.values.grad();
-        grads.push(if g.defined() {
-            let g = g.to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]);
-            Vec::<f32>::try_from(&g).map_err(|e| EngineError::Internal(format!("gradient of {name}: {e}")))?
-        } else {
-            vec![0.0; j.values.numel()]
-        });
+/// The gradient the dense backward left on leaf `t` (of `what`), row-major fp32; zeros where
+/// it left none (the model did not read it).
+fn gradient(t: &Tensor, what: &str) -> Result<Vec<f32>, EngineError> {
+    let g = t.grad();
+    if !g.defined() {
+        return Ok(vec![0.0; t.numel()]);
     }
-    Ok(grads)
+    let g = g.to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view([-1]);
+    Vec::<f32>::try_from(&g).map_err(|e| EngineError::Internal(format!("gradient of {what}: {e}")))
 }
 
 /// The recipe's sequence tables as embedding table configurations.

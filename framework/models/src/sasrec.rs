@@ -261,6 +261,18 @@ impl SasRec {
         }
         (mask, rows)
     }
+
+    /// Each example's target item row `[batch, dim]` (the rows at `rows` of the target feature,
+    /// [`SasRec::counted`]'s), zeros for an example without a target.
+    fn target_items(&self, target: &JaggedEmbeddings, rows: &[i64]) -> Tensor {
+        let device = target.values.device();
+        if target.values.size()[0] == 0 {
+            return Tensor::zeros([target.batch_size() as i64, self.dim], (target.values.kind(), device));
+        }
+        let items = target.values.index_select(0, &Tensor::from_slice(rows).to_device(device));
+        let present: Vec<f32> = target.lengths.iter().map(|&n| (n > 0) as u8 as f32).collect();
+        items * Tensor::from_slice(&present).to_device(device).to_kind(target.values.kind()).unsqueeze(1)
+    }
 }
 
 impl DenseModel for SasRec {
@@ -276,15 +288,7 @@ impl DenseModel for SasRec {
         };
         let users = self.users(history, train);
         let (_, rows) = Self::counted(history, target);
-        let device = users.device();
-        let items = if target.values.size()[0] == 0 {
-            Tensor::zeros([b, self.dim], (target.values.kind(), device))
-        } else {
-            target.values.index_select(0, &Tensor::from_slice(&rows).to_device(device))
-        };
-        let present: Vec<f32> = target.lengths.iter().map(|&n| (n > 0) as u8 as f32).collect();
-        let items = items * Tensor::from_slice(&present).to_device(device).unsqueeze(1);
-        (users * items).sum_dim_intlist(1, true, None::<Kind>)
+        (users * self.target_items(target, &rows)).sum_dim_intlist(1, true, None::<Kind>)
     }
 
     fn loss(&mut self, input: &LossInput<'_>) -> Option<Tensor> {
@@ -316,12 +320,7 @@ impl DenseModel for SasRec {
                 logits.log_softmax(1, Kind::Float).gather(1, &target_ids.unsqueeze(1), false).squeeze_dim(1).neg()
             }
             SasRecLoss::SampledSoftmax => {
-                let items = if target.values.size()[0] == 0 {
-                    Tensor::zeros([b, self.dim], (Kind::Float, device))
-                } else {
-                    target.values.index_select(0, &Tensor::from_slice(&rows).to_device(device))
-                };
-                let positive = (&users * items).sum_dim_intlist(1, true, None::<Kind>);
+                let positive = (&users * self.target_items(target, &rows)).sum_dim_intlist(1, true, None::<Kind>);
                 let negative = users.matmul(&catalogue.rows.transpose(0, 1));
                 let hits = target_ids.unsqueeze(1).eq_tensor(&catalogue.ids.unsqueeze(0));
                 let negative = negative.masked_fill(&hits, f64::NEG_INFINITY);
