@@ -25,7 +25,7 @@ use trainrec::recipe::LoadOptions;
 use trainrec::sparse::KeyedJaggedTensor;
 use trainrec::{Job, Registry};
 use trainrec_tests::slice_batch as slice;
-use trainrec_tests::{FixtureBatch, FixtureParam};
+use trainrec_tests::{DLRM_PARAMETERS, FixtureBatch, FixtureParam};
 
 #[derive(Deserialize)]
 struct Table {
@@ -337,19 +337,8 @@ fn position_weighted_features_train_as_torchrecs_feature_processed_bags() {
     for i in 0..fx.keys.len() {
         job.set_table_weights(&format!("t{i}"), &fx.params[&table(i)].values).unwrap();
     }
-    let mut names: Vec<(String, String)> = [
-        ("dense_arch.layer0.weight", "dense_arch.model._mlp.0._linear.weight"),
-        ("dense_arch.layer0.bias", "dense_arch.model._mlp.0._linear.bias"),
-        ("dense_arch.layer1.weight", "dense_arch.model._mlp.1._linear.weight"),
-        ("dense_arch.layer1.bias", "dense_arch.model._mlp.1._linear.bias"),
-        ("over_arch.layer0.weight", "over_arch.model.0._mlp.0._linear.weight"),
-        ("over_arch.layer0.bias", "over_arch.model.0._mlp.0._linear.bias"),
-        ("over_arch.layer1.weight", "over_arch.model.1.weight"),
-        ("over_arch.layer1.bias", "over_arch.model.1.bias"),
-    ]
-    .iter()
-    .map(|(a, b)| (a.to_string(), b.to_string()))
-    .collect();
+    let mut names: Vec<(String, String)> =
+        DLRM_PARAMETERS.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
     for f in fx.position_weighted.keys() {
         names.push((
             format!("position_weights.{f}"),

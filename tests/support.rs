@@ -102,3 +102,16 @@ pub struct FixtureBatch {
     /// One label per example.
     pub labels: Vec<f32>,
 }
+
+/// DLRM's dense parameters: trainrec's name (a suffix of the job's) and TorchRec's, for
+/// trajectories against TorchRec's `DLRM` with `dense_arch = [_, _]`, `over_arch = [_, _]`.
+pub const DLRM_PARAMETERS: [(&str, &str); 8] = [
+    ("dense_arch.layer0.weight", "dense_arch.model._mlp.0._linear.weight"),
+    ("dense_arch.layer0.bias", "dense_arch.model._mlp.0._linear.bias"),
+    ("dense_arch.layer1.weight", "dense_arch.model._mlp.1._linear.weight"),
+    ("dense_arch.layer1.bias", "dense_arch.model._mlp.1._linear.bias"),
+    ("over_arch.layer0.weight", "over_arch.model.0._mlp.0._linear.weight"),
+    ("over_arch.layer0.bias", "over_arch.model.0._mlp.0._linear.bias"),
+    ("over_arch.layer1.weight", "over_arch.model.1.weight"),
+    ("over_arch.layer1.bias", "over_arch.model.1.bias"),
+];

@@ -14,7 +14,7 @@ use trainrec::engine::load_and_check;
 use trainrec::recipe::LoadOptions;
 use trainrec::sparse::KeyedJaggedTensor;
 use trainrec::{Job, Registry};
-use trainrec_tests::{FixtureBatch, FixtureParam};
+use trainrec_tests::{DLRM_PARAMETERS, FixtureBatch, FixtureParam};
 
 #[derive(Deserialize)]
 struct Fixture {
@@ -138,19 +138,7 @@ fn train(fx: &Fixture, file: &str, names: &[(&str, &str)], precision: &str) -> V
 
 #[test]
 fn dlrm_trains_as_torchrec_does() {
-    check_trajectory(
-        "dlrm.json",
-        &[
-            ("dense_arch.layer0.weight", "dense_arch.model._mlp.0._linear.weight"),
-            ("dense_arch.layer0.bias", "dense_arch.model._mlp.0._linear.bias"),
-            ("dense_arch.layer1.weight", "dense_arch.model._mlp.1._linear.weight"),
-            ("dense_arch.layer1.bias", "dense_arch.model._mlp.1._linear.bias"),
-            ("over_arch.layer0.weight", "over_arch.model.0._mlp.0._linear.weight"),
-            ("over_arch.layer0.bias", "over_arch.model.0._mlp.0._linear.bias"),
-            ("over_arch.layer1.weight", "over_arch.model.1.weight"),
-            ("over_arch.layer1.bias", "over_arch.model.1.bias"),
-        ],
-    );
+    check_trajectory("dlrm.json", &DLRM_PARAMETERS);
 }
 
 #[test]

@@ -194,13 +194,40 @@ pub fn inputs(a: &EbcBench) -> (Vec<KeyedJaggedTensor>, f64, Vec<f32>) {
     (batches, uniq, grad)
 }
 
-/// The benchmark's tables: `t0..` of `rows x dim`, each sum-pooling feature `f<t>`.
-pub fn collection(a: &EbcBench) -> Result<EmbeddingBagCollection, EmbeddingError> {
+/// The benchmark's tables: `t0..` of `rows x dim`, each reading feature `f<t>` with `pooling`.
+fn table_configs(a: &EbcBench, pooling: PoolingMode) -> Vec<EmbeddingBagConfig> {
     tracing::info!("building {} tables of {} x {}", a.tables, a.rows, a.dim);
-    let configs = (0..a.tables)
-        .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::Sum, &[&format!("f{t}")]))
-        .collect();
-    EmbeddingBagCollection::new(configs, a.optimizer.clone(), a.seed)
+    (0..a.tables)
+        .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, pooling, &[&format!("f{t}")]))
+        .collect()
+}
+
+/// The benchmark's tables as a collection, each sum-pooling its feature.
+pub fn collection(a: &EbcBench) -> Result<EmbeddingBagCollection, EmbeddingError> {
+    EmbeddingBagCollection::new(table_configs(a, PoolingMode::Sum), a.optimizer.clone(), a.seed)
+}
+
+/// A pool of `threads` workers (0: one per core), and its size.
+fn thread_pool(threads: usize) -> Result<(rayon::ThreadPool, usize), EmbeddingError> {
+    let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| EmbeddingError::Config(format!("cannot start {threads} threads: {e}")))?;
+    Ok((pool, threads))
+}
+
+/// Calls `f` `n` times, timing each call: the times, and how many cores other processes kept
+/// busy meanwhile (null when `n` is 0).
+fn timed(n: usize, mut f: impl FnMut() -> Result<(), EmbeddingError>) -> Result<(Vec<f64>, Value), EmbeddingError> {
+    let c0 = cpu_snapshot();
+    let mut ts = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        f()?;
+        ts.push(t.elapsed().as_secs_f64());
+    }
+    Ok((ts, if n > 0 { others_busy(c0, cpu_snapshot()) } else { Value::Null }))
 }
 
 /// A step's lookups, unique rows, and the least bytes its forward and its backward + update
@@ -220,11 +247,7 @@ pub fn min_bytes(a: &EbcBench, uniq: f64) -> (f64, f64, f64, f64) {
 /// Runs the benchmark; the result is the JSON object `trainrec bench ebc` prints.
 pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
     check(a)?;
-    let threads = if a.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.threads };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| EmbeddingError::Config(format!("cannot start {threads} threads: {e}")))?;
+    let (pool, threads) = thread_pool(a.threads)?;
     pool.install(|| {
         let (batches, uniq, grad) = inputs(a);
         let t0 = Instant::now();
@@ -242,24 +265,13 @@ pub fn run(a: &EbcBench) -> Result<Value, EmbeddingError> {
         for _ in 0..a.warmup {
             step(&mut ebc)?;
         }
-        let c0 = cpu_snapshot();
-        let mut ts = Vec::with_capacity(a.steps);
-        for _ in 0..a.steps {
-            let t = Instant::now();
-            step(&mut ebc)?;
-            ts.push(t.elapsed().as_secs_f64());
-        }
-        let busy_step = others_busy(c0, cpu_snapshot());
-        let mut fwd = Vec::new();
-        let c1 = cpu_snapshot();
-        for _ in 0..a.fwd_steps {
+        let (ts, busy_step) = timed(a.steps, || step(&mut ebc))?;
+        let (fwd, busy_fwd) = timed(a.fwd_steps, || {
             let kjt = &batches[it % batches.len()];
             it += 1;
-            let t = Instant::now();
             std::hint::black_box(ebc.forward(kjt)?.values());
-            fwd.push(t.elapsed().as_secs_f64());
-        }
-        let busy_fwd = if a.fwd_steps > 0 { others_busy(c1, cpu_snapshot()) } else { Value::Null };
+            Ok(())
+        })?;
         let quant = if a.quant && a.fwd_steps > 0 { Some(time_quant(a, &batches, &ebc)?) } else { None };
         let mc = match a.mc_interval {
             Some(interval) => Some(time_mc(a, interval, &batches, &grad, &mut ebc, &ts)?),
@@ -299,11 +311,7 @@ pub fn run_ec(a: &EbcBench) -> Result<Value, EmbeddingError> {
     if a.mc_interval.is_some() || a.quant {
         return Err(EmbeddingError::Config("bench ec times the plain step: no --mc-interval or --quant".into()));
     }
-    let threads = if a.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.threads };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| EmbeddingError::Config(format!("cannot start {threads} threads: {e}")))?;
+    let (pool, threads) = thread_pool(a.threads)?;
     pool.install(|| {
         let mut rng = StdRng::seed_from_u64(a.seed);
         tracing::info!("generating {} batches", a.num_batches);
@@ -312,13 +320,11 @@ pub fn run_ec(a: &EbcBench) -> Result<Value, EmbeddingError> {
         let grads: Vec<Vec<f32>> =
             (0..a.tables).map(|_| (0..per_table).map(|_| StandardNormal.sample(&mut rng)).collect()).collect();
         let t0 = Instant::now();
-        let configs = (0..a.tables)
-            .map(|t| EmbeddingBagConfig::new(format!("t{t}"), a.rows, a.dim, PoolingMode::None, &[&format!("f{t}")]))
-            .collect();
+        let configs = table_configs(a, PoolingMode::None);
         let mut ec = trainrec_embedding::EmbeddingCollection::new(configs, a.optimizer.clone(), a.seed)?;
         let build_s = t0.elapsed().as_secs_f64();
         let mut it = 0usize;
-        // One output kept across steps, as a training loop's lookup buffer.
+        // One output kept across steps, as a caller looking up batch after batch keeps it.
         let mut out = ec.forward(&batches[0])?;
         let mut step = |ec: &mut trainrec_embedding::EmbeddingCollection,
                         out: &mut trainrec_embedding::SequenceEmbeddings|
@@ -332,24 +338,14 @@ pub fn run_ec(a: &EbcBench) -> Result<Value, EmbeddingError> {
         for _ in 0..a.warmup {
             step(&mut ec, &mut out)?;
         }
-        let c0 = cpu_snapshot();
-        let mut ts = Vec::with_capacity(a.steps);
-        for _ in 0..a.steps {
-            let t = Instant::now();
-            step(&mut ec, &mut out)?;
-            ts.push(t.elapsed().as_secs_f64());
-        }
-        let busy_step = others_busy(c0, cpu_snapshot());
-        let (mut fwd, c1) = (Vec::new(), cpu_snapshot());
-        for _ in 0..a.fwd_steps {
+        let (ts, busy_step) = timed(a.steps, || step(&mut ec, &mut out))?;
+        let (fwd, busy_fwd) = timed(a.fwd_steps, || {
             let kjt = &batches[it % batches.len()];
             it += 1;
-            let t = Instant::now();
             ec.forward_into(kjt, &mut out)?;
             std::hint::black_box(&out.values);
-            fwd.push(t.elapsed().as_secs_f64());
-        }
-        let busy_fwd = if a.fwd_steps > 0 { others_busy(c1, cpu_snapshot()) } else { Value::Null };
+            Ok(())
+        })?;
         let mut out = results(a, "trainrec", &ts, &fwd, uniq);
         // The unpooled step's bytes, in place of the pooled ones.
         let (_, _, bytes_fwd, bytes_bwd) = min_bytes_unpooled(a, uniq);
